@@ -1,0 +1,204 @@
+"""The arguments of the tandem Serve application: the `args:` block of a serve config.
+
+`serve run` / `serve deploy` configs (`import_path: tandem.deploy.app:build_app`) and the Helm chart's
+rendered `serveConfigV2` are both validated by `AppArgs`. Unknown keys are rejected, so a typo fails at
+deploy time with the offending field named instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TINY_MODEL_NAME = "tandem-tiny"
+"""The served name of the embedded tiny model, used when `model` is left unset."""
+
+
+class EngineArgs(BaseModel):
+    """Options passed through to the offline `LLM` constructor for every replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU.",
+    )
+    page_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens per KV-cache page; unset picks the attention backend's default.",
+    )
+    chunk_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Chunked-prefill token budget per step; unset picks the engine's default.",
+    )
+    prefix_cache: bool = Field(
+        default=True, description="Reuse KV pages across requests through the radix cache."
+    )
+    overlap: bool = Field(
+        default=True,
+        description="Run the overlap scheduler (build batch N+1 while batch N runs); False for ablation.",
+    )
+    cuda_graph: bool = Field(
+        default=True, description="Capture CUDA graphs for decode and prefill (GPU only)."
+    )
+    max_running: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most requests in one running batch; unset derives it from the KV pool size.",
+    )
+    seed: int = Field(
+        default=0, ge=0, description="Seed of the sampler's generator, identical on every TP rank."
+    )
+    mem_fraction: float = Field(
+        default=0.85,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of GPU memory the engine may use for weights, graphs and the KV pool.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="Longest prompt plus output in tokens; unset uses the model's own limit.",
+    )
+
+    def to_llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `LLM(model, **kwargs)`: every field that is not None."""
+        return self.model_dump(exclude_none=True)
+
+
+class AutoscalingArgs(BaseModel):
+    """Serve autoscaling of replicas (each replica is one TP group of `tp_size` GPUs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(
+        default=1, ge=0, description="Fewest replicas; 0 lets the application scale to zero."
+    )
+    max_replicas: int = Field(default=1, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(
+        default=None, ge=0, description="Replicas at deploy time; unset starts at min_replicas."
+    )
+    target_ongoing_requests: float = Field(
+        default=32.0, gt=0.0, description="Ongoing requests per replica the autoscaler aims for."
+    )
+    upscale_delay_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="Seconds demand must stay high before adding replicas; unset: Serve's.",
+    )
+    downscale_delay_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        description="Seconds demand must stay low before removing replicas; unset: Serve's.",
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling_config.min_replicas ({self.min_replicas}) must be <= "
+                f"autoscaling_config.max_replicas ({self.max_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                f"autoscaling_config.initial_replicas ({self.initial_replicas}) must lie between "
+                f"min_replicas ({self.min_replicas}) and max_replicas ({self.max_replicas})"
+            )
+        return self
+
+    def to_serve_config(self) -> dict[str, Any]:
+        """The dict for Serve's `autoscaling_config` deployment option (unset fields left to Serve)."""
+        return self.model_dump(exclude_none=True)
+
+
+class AppArgs(BaseModel):
+    """Arguments of `tandem.deploy.app:build_app`: what to serve, how to shard it, and how to scale it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Hugging Face hub id or local model directory; "
+        "unset serves the embedded tiny model on CPU.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Name clients put in the request's `model` field; defaults to `model` "
+        f"(or '{TINY_MODEL_NAME}' for the embedded model).",
+    )
+    tp_size: int = Field(
+        default=1, ge=1, description="Tensor-parallel degree: GPUs (rank actors) per replica."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Device of the rank actors; 'auto' picks CUDA when present."
+    )
+    engine: EngineArgs = Field(
+        default_factory=EngineArgs,
+        description="Engine options, as for the offline `LLM` constructor.",
+    )
+    num_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fixed number of replicas; unset means 1 unless autoscaling_config is given.",
+    )
+    autoscaling_config: AutoscalingArgs | None = Field(
+        default=None, description="Autoscale replicas between bounds; exclusive with num_replicas."
+    )
+    max_ongoing_requests: int = Field(
+        default=64,
+        ge=1,
+        description="Requests one replica handles at once before the router holds more back.",
+    )
+    max_queued_requests: int = Field(
+        default=256,
+        ge=-1,
+        description="Requests a caller may queue for this deployment before getting 503; -1 is unbounded.",
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="STRICT_PACK", description="Placement-group strategy for a replica's tp_size rank bundles."
+    )
+    cpus_per_rank: float = Field(
+        default=1.0, gt=0.0, description="Logical CPUs reserved for each rank actor."
+    )
+    accelerator_type: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Ray accelerator type (e.g. 'H100') the GPU bundles must land on; unset: any GPU.",
+    )
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> AppArgs:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError(
+                "set either num_replicas or autoscaling_config, not both "
+                f"(got num_replicas={self.num_replicas} and an autoscaling_config)"
+            )
+        return self
+
+    def resolved_served_model_name(self) -> str:
+        """The model name clients address: `served_model_name`, else `model`, else the tiny model's."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.model is not None:
+            return self.model
+        return TINY_MODEL_NAME
+
+    def rank_bundle(self, *, use_gpu: bool) -> dict[str, float]:
+        """Resources of one rank's placement-group bundle (bundle 0 also takes the replica's own CPU).
+
+        An `accelerator_type` adds a sliver of Ray's `accelerator_type:<T>` resource, which Ray
+        advertises on nodes whose GPUs are of that type, so the bundle only fits there.
+        """
+        bundle: dict[str, float] = {"CPU": self.cpus_per_rank}
+        if use_gpu:
+            bundle["GPU"] = 1.0
+            if self.accelerator_type is not None:
+                bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
+        return bundle

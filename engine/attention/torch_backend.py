@@ -1,0 +1,103 @@
+"""Reference attention on any device: gather each row's live pages and call SDPA.
+
+Slower than flashinfer, but it runs on CPU (CI) and serves as the reference on GPU. It handles a
+cached prefix (extend), per-layer sliding windows over evicted page tables, GQA and logit soft-capping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.attention.base import LayerSpec
+from tandem.engine.batch import ForwardBatch
+from tandem.engine.kv_pool import KVGroupSpec, KVPool
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    q_start: int
+    q_len: int
+    slots: torch.Tensor  # flat KV slots of the row's live tokens, in position order
+    mask: torch.Tensor | None  # [q_len, kv_len] True where visible; None when all visible
+
+
+class TorchAttentionBackend:
+    """Per-row gather + SDPA. `plan` builds slot lists and masks once per batch and KV group."""
+
+    def __init__(self, groups: list[KVGroupSpec], page_size: int, device: torch.device) -> None:
+        self.groups = groups
+        self.page_size = page_size
+        self.device = device
+        self._rows: dict[int, list[_RowPlan]] = {}
+        self._out_loc: dict[int, torch.Tensor] = {}
+
+    def plan(self, batch: ForwardBatch) -> None:
+        seq_lens = batch.seq_lens_cpu.tolist()
+        ext_lens = batch.extend_lens_cpu.tolist()
+        self._rows = {}
+        self._out_loc = {g.group_id: batch.groups[g.group_id].out_cache_loc for g in self.groups}
+        for group in self.groups:
+            paging = batch.groups[group.group_id]
+            tables = paging.page_table_cpu
+            starts = paging.kv_start_cpu.tolist()
+            rows: list[_RowPlan] = []
+            q_start = 0
+            for b, (seq, ext) in enumerate(zip(seq_lens, ext_lens)):
+                kv_start = int(starts[b])
+                positions = torch.arange(kv_start, seq, dtype=torch.int64)
+                pages = tables[b].to(torch.int64)[positions // self.page_size]
+                slots = (pages * self.page_size + positions % self.page_size).to(self.device)
+                rows.append(_RowPlan(q_start, ext, slots, self._mask(seq, ext, kv_start, group.window)))
+                q_start += ext
+            self._rows[group.group_id] = rows
+
+    def _mask(self, seq: int, ext: int, kv_start: int, window: int | None) -> torch.Tensor | None:
+        q_pos = torch.arange(seq - ext, seq).unsqueeze(1)
+        k_pos = torch.arange(kv_start, seq).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        if bool(visible.all()):
+            return None
+        return visible.to(self.device)
+
+    def forward(
+        self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        group_id = pool.layer_group[layer.layer_id]
+        pool.store(layer.layer_id, self._out_loc[group_id], k, v)
+        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
+        for row in self._rows[group_id]:
+            qb = q[row.q_start : row.q_start + row.q_len].transpose(0, 1)  # [H, E, D]
+            kb = k_cache[row.slots].transpose(0, 1)  # [Hkv, L, D]
+            vb = v_cache[row.slots].transpose(0, 1)
+            if layer.num_heads != layer.num_kv_heads:
+                repeat = layer.num_heads // layer.num_kv_heads
+                kb = kb.repeat_interleave(repeat, dim=0)
+                vb = vb.repeat_interleave(repeat, dim=0)
+            if layer.softcap is None:
+                ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=row.mask, scale=layer.scale)
+            else:
+                ob = _softcapped(qb, kb, vb, row.mask, layer.scale, layer.softcap)
+            out[row.q_start : row.q_start + row.q_len] = ob.transpose(0, 1)
+        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+def _softcapped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

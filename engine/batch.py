@@ -1,0 +1,88 @@
+"""The typed hand-off between the scheduler and the engine: plain tensors, never request objects.
+
+The scheduler fills a `ForwardBatch`; the engine answers with a `ForwardOutput` that carries the event
+marking the end of its device-to-host copy, so nobody blocks on the results by accident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.streams import Event
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters for one batch, as device tensors of length B.
+
+    `seeds` and `steps` key a counter-based noise source: a row's draw depends only on its own seed and
+    output position, never on what else is in the batch, and every TP rank draws the same token.
+    """
+
+    temperature: torch.Tensor  # float32; 0 means greedy
+    top_p: torch.Tensor  # float32 in (0, 1]; 1 is off
+    top_k: torch.Tensor  # int64; <= 0 is off
+    min_p: torch.Tensor  # float32 in [0, 1]; 0 is off
+    seeds: torch.Tensor  # int64; the scheduler derives one for unseeded requests
+    steps: torch.Tensor  # int64; index of the output token being sampled (0 for the first)
+    presence_penalty: torch.Tensor  # float32; 0 is off
+    frequency_penalty: torch.Tensor  # float32; 0 is off
+    repetition_penalty: torch.Tensor  # float32; 1 is off
+    # Tokens seen so far per row (prompt, then output), right-padded with -1. None when no row
+    # has a penalty, so the common case costs nothing.
+    history: torch.Tensor | None = None  # int64 [B, L]
+    prompt_lens: torch.Tensor | None = None  # int64 [B]; history[:, :prompt_lens] is the prompt
+    all_greedy: bool = False
+    # Top-n logprobs to return per row; -1 for none. 0 returns only the chosen token's logprob.
+    num_logprobs: int = -1
+
+
+@dataclass(frozen=True)
+class AttentionGroupBatch:
+    """Paging for one KV group (all full-attention layers, or all window layers of a hybrid model)."""
+
+    # Logical page i of row b lives in physical page page_table[b, i] of this group's pool.
+    page_table: torch.Tensor  # int32 [B, max_pages], device
+    # Tokens [0, kv_start) were evicted by the sliding window; their table entries are stale.
+    kv_start: torch.Tensor  # int32 [B], device; a multiple of page_size
+    # Flat slot (page * page_size + offset) that receives each new token's K and V.
+    out_cache_loc: torch.Tensor  # int64 [T], device
+    kv_start_cpu: torch.Tensor  # int32 [B], host copy for planning
+    page_table_cpu: torch.Tensor  # int32 [B, max_pages], host copy for planning
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """One step: B rows, T new tokens in total, rows laid out back to back."""
+
+    input_ids: torch.Tensor  # int64 [T], device
+    positions: torch.Tensor  # int64 [T], device
+    seq_lens: torch.Tensor  # int32 [B], device: KV length after this step
+    extend_lens: torch.Tensor  # int32 [B], device: new tokens this step
+    seq_lens_cpu: torch.Tensor  # int32 [B], host
+    extend_lens_cpu: torch.Tensor  # int32 [B], host
+    groups: tuple[AttentionGroupBatch, ...]  # indexed by KV group id
+    sampling: SamplingBatch
+    is_decode: bool  # every row extends by exactly one token
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """The sampled tokens on the device, and their host copies once `copy_done` has fired."""
+
+    next_tokens: torch.Tensor  # int64 [B], device: feeds the token pool without a host round trip
+    next_tokens_host: torch.Tensor  # int64 [B], host (pinned on CUDA)
+    logprobs_host: torch.Tensor | None  # float32 [B]: logprob of the chosen token
+    top_ids_host: torch.Tensor | None  # int64 [B, n]
+    top_logprobs_host: torch.Tensor | None  # float32 [B, n]
+    copy_done: Event

@@ -1,0 +1,193 @@
+"""Model and engine configuration, read from an HF `config.json` and resolved once."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters for one layer type."""
+
+    theta: float
+    rope_type: str = "default"  # "default", "llama3" or "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, independent of the HF config format version."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]  # FULL or SLIDING per layer
+    rope: RopeConfig  # full-attention layers
+    rope_local: RopeConfig  # sliding-window layers (same as `rope` except for Gemma 3)
+    sliding_window: int | None = None  # keys in (q - window, q] are visible on SLIDING layers
+    attention_bias: bool = False
+    qk_norm: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def attn_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def has_window_layers(self) -> bool:
+        return self.sliding_window is not None and SLIDING in self.layer_types
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        with path.open() as f:
+            raw = json.load(f)
+        extra_eos = _generation_eos(Path(model_dir))
+        return cls.from_dict(raw, extra_eos=extra_eos)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+        text = raw.get("text_config")
+        if isinstance(text, dict) and "hidden_size" not in raw:
+            raw = {**text, "architectures": raw.get("architectures")}
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        model_type = str(raw.get("model_type", ""))
+        num_layers = int(raw["num_hidden_layers"])
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        window = raw.get("sliding_window")
+        if model_type.startswith("qwen") and not raw.get("use_sliding_window", False):
+            window = None
+        layer_types = _layer_types(raw, num_layers, model_type, window)
+        rope_full, rope_local = _rope_configs(raw, model_type)
+        is_gemma = model_type.startswith("gemma")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+        eos = _as_ids(raw.get("eos_token_id")) + extra_eos
+        return cls(
+            architecture=str(archs[0]),
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma)),
+            layer_types=layer_types,
+            rope=rope_full,
+            rope_local=rope_local,
+            sliding_window=int(window) if window is not None and SLIDING in layer_types else None,
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+            attn_softcap=_opt_float(raw.get("attn_logit_softcapping")),
+            final_softcap=_opt_float(raw.get("final_logit_softcapping")),
+            query_pre_attn_scalar=_opt_float(raw.get("query_pre_attn_scalar")) if is_gemma else None,
+            hidden_act=str(act),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            raw=raw,
+        )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    with path.open() as f:
+        return _as_ids(json.load(f).get("eos_token_id"))
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int, model_type: str, window: Any) -> tuple[str, ...]:
+    given = raw.get("layer_types")
+    if given:
+        if len(given) != num_layers:
+            raise ValueError(f"layer_types has {len(given)} entries for {num_layers} layers")
+        return tuple(SLIDING if t == SLIDING and window is not None else FULL for t in given)
+    if window is None:
+        return (FULL,) * num_layers
+    if model_type == "gemma2":
+        return tuple(SLIDING if i % 2 == 0 else FULL for i in range(num_layers))
+    if model_type.startswith("gemma3"):
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+    return (SLIDING,) * num_layers  # Mistral: a window on every layer
+
+
+def _rope_from(params: dict[str, Any], default_theta: float) -> RopeConfig:
+    rope_type = str(params.get("rope_type") or params.get("type") or "default")
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3, linear")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", default_theta)),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_configs(raw: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig]:
+    """Accept both transformers 5 `rope_parameters` and the older `rope_theta`/`rope_scaling` keys."""
+    theta = float(raw.get("rope_theta", 10000.0))
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and (FULL in params or SLIDING in params):
+        full = _rope_from(params.get(FULL, {}), theta)
+        local = _rope_from(params.get(SLIDING, params.get(FULL, {})), theta)
+        return full, local
+    if isinstance(params, dict):
+        full = _rope_from(params, theta)
+    else:
+        full = _rope_from({"rope_theta": theta, **(raw.get("rope_scaling") or {})}, theta)
+    if model_type.startswith("gemma3"):
+        local_theta = float(raw.get("rope_local_base_freq", 10000.0))
+        return full, RopeConfig(theta=local_theta)
+    return full, full

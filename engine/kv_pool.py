@@ -1,0 +1,72 @@
+"""The paged KV pool of one rank: only this rank's KV heads, one pool per KV group.
+
+Layers are split into KV groups by window: full-attention layers share one page space, and the
+sliding-window layers of a hybrid model (Gemma 2/3) have their own, so the scheduler can free window
+pages early without touching the full layers' pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One page space: which layers use it, their window (None for full attention), its size."""
+
+    group_id: int
+    layers: tuple[int, ...]
+    window: int | None
+    num_pages: int
+
+
+def plan_groups(config: ModelConfig, num_pages: int, window_pages: int | None = None) -> list[KVGroupSpec]:
+    """Split layers into a full group and a window group; a model of one kind gets one group."""
+    full = tuple(i for i in range(config.num_layers) if config.window_of(i) is None)
+    windowed = tuple(i for i in range(config.num_layers) if config.window_of(i) is not None)
+    groups: list[KVGroupSpec] = []
+    if full:
+        groups.append(KVGroupSpec(len(groups), full, None, num_pages))
+    if windowed:
+        groups.append(
+            KVGroupSpec(len(groups), windowed, config.sliding_window, window_pages or num_pages)
+        )
+    return groups
+
+
+class KVPool:
+    """K and V caches per layer, addressed by flat slot = page * page_size + offset within its group."""
+
+    def __init__(
+        self,
+        groups: list[KVGroupSpec],
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.groups = groups
+        self.page_size = page_size
+        self.layer_group: dict[int, int] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for group in groups:
+            slots = group.num_pages * page_size
+            for layer in group.layers:
+                self.layer_group[layer] = group.group_id
+                self.k[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                self.v[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v
+
+    def bytes_per_page(self) -> int:
+        one = next(iter(self.k.values()))
+        return 2 * one[0].numel() * one.element_size() * self.page_size

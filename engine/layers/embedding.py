@@ -1,0 +1,66 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the (padded) vocab."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.distributed import TPGroup
+from tandem.engine.layers.source import TensorSource, check_shape
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + part) of the vocab live on this rank; the others contribute zeros."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TPGroup, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        padded = -(-vocab_size // tp.size) * tp.size
+        self.start, self.part = tp.shard(padded)
+        self.weight = nn.Parameter(torch.zeros(self.part, hidden_size, dtype=dtype, device=device), False)
+
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        check_shape(source, (self.vocab_size, self.hidden_size), "the vocab embedding")
+        rows = max(0, min(self.part, self.vocab_size - self.start))
+        if rows:
+            self.weight.data[:rows].copy_(source.read(0, self.start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.part)
+        out = F.embedding(local.clamp(0, self.part - 1), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for this rank's vocab slice, all-gathered into the full vocab; may share the embedding."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, *, tied: bool) -> None:
+        super().__init__()
+        self.tp = embedding.tp
+        self.vocab_size = embedding.vocab_size
+        self.hidden_size = embedding.hidden_size
+        self.start, self.part = embedding.start, embedding.part
+        if tied:
+            self.weight = embedding.weight
+        else:
+            self.weight = nn.Parameter(torch.zeros_like(embedding.weight), False)
+
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        check_shape(source, (self.vocab_size, self.hidden_size), "the LM head")
+        rows = max(0, min(self.part, self.vocab_size - self.start))
+        if rows:
+            self.weight.data[:rows].copy_(source.read(0, self.start, rows))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,123 @@
+"""Tensor-parallel linear layers: column-parallel (merged QKV, gate/up) and row-parallel.
+
+Shard sizes are worked out once, in the constructor. A parameter's `load` reads only this rank's
+slice of each checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.distributed import TPGroup
+from tandem.engine.layers.source import TensorSource, check_shape
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """One merged output of a column-parallel layer: its full size and the rows this rank keeps."""
+
+    full: int
+    start: int
+    size: int
+
+
+def even_shard(full: int, tp: TPGroup) -> OutputShard:
+    start, size = tp.shard(full)
+    return OutputShard(full, start, size)
+
+
+def head_shard(num_heads: int, head_dim: int, tp: TPGroup) -> OutputShard:
+    """Heads split over ranks; with fewer heads than ranks, each rank keeps a replica of one head."""
+    if num_heads >= tp.size:
+        start, per_rank = tp.shard(num_heads)
+    else:
+        if tp.size % num_heads:
+            raise ValueError(f"{num_heads} KV heads cannot be replicated over tp_size={tp.size}")
+        start, per_rank = tp.rank * num_heads // tp.size, 1
+    return OutputShard(num_heads * head_dim, start * head_dim, per_rank * head_dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), with the output dimension split over ranks. No communication."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Sequence[OutputShard],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shards = tuple(shards)
+        self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
+        local = sum(s.size for s in self.shards)
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device), False)
+        self.bias = (
+            nn.Parameter(torch.empty(local, dtype=dtype, device=device), False) if bias else None
+        )
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return [s.size for s in self.shards]
+
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        shard = self.shards[shard_id]
+        target = self.bias if is_bias else self.weight
+        assert target is not None
+        expected = (shard.full,) if is_bias else (shard.full, self.in_features)
+        check_shape(source, expected, f"shard {shard_id} of a column-parallel layer")
+        rows = source.read(0, shard.start, shard.size)
+        offset = self.offsets[shard_id]
+        target.data[offset : offset + shard.size].copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b: the layer's one all-reduce; only rank 0 adds the bias."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_features = out_features
+        self.in_start, self.in_size = tp.shard(in_features)
+        self.in_features = in_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_size, dtype=dtype, device=device), False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False)
+            if bias
+            else None
+        )
+
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        if is_bias:
+            assert self.bias is not None
+            check_shape(source, (self.out_features,), "a row-parallel bias")
+            self.bias.data.copy_(source.read())
+            return
+        check_shape(source, (self.out_features, self.in_features), "a row-parallel layer")
+        self.weight.data.copy_(source.read(1, self.in_start, self.in_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,208 @@
+"""The decoder blocks shared by every family; a family file only states what differs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.attention.base import AttentionBackend, LayerSpec
+from tandem.engine.config import ModelConfig
+from tandem.engine.distributed import TPGroup
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.engine.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    even_shard,
+    head_shard,
+)
+from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.engine.layers.source import TensorSource
+
+
+class Loadable(Protocol):
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What sets one family apart from the Llama baseline."""
+
+    gemma_norm: bool = False  # (1 + w) RMS norms
+    sandwich_norms: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
+    embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a forward needs beyond activations: the planned attention backend and the KV pool."""
+
+    attention: AttentionBackend
+    pool: KVPool
+
+
+class Build:
+    """Construction arguments shared by every module of one model."""
+
+    def __init__(
+        self, config: ModelConfig, traits: Traits, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
+
+    def norm(self, size: int) -> RMSNorm:
+        cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
+        return cls(size, self.config.rms_norm_eps, dtype=self.dtype, device=self.device)
+
+
+class Attention(nn.Module):
+    def __init__(self, b: Build, layer_id: int) -> None:
+        super().__init__()
+        c, tp = b.config, b.tp
+        q_shard = head_shard(c.num_heads, c.head_dim, tp)
+        kv_shard = head_shard(c.num_kv_heads, c.head_dim, tp)
+        self.qkv_proj = ColumnParallelLinear(
+            c.hidden_size,
+            [q_shard, kv_shard, kv_shard],
+            bias=c.attention_bias,
+            dtype=b.dtype,
+            device=b.device,
+        )
+        self.o_proj = RowParallelLinear(
+            c.num_heads * c.head_dim, c.hidden_size, tp, bias=False, dtype=b.dtype, device=b.device
+        )
+        self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
+        self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
+        window = c.window_of(layer_id)
+        self.rotary = RotaryEmbedding(c.rope if window is None else c.rope_local, c.head_dim, b.device)
+        self.spec = LayerSpec(
+            layer_id=layer_id,
+            num_heads=q_shard.size // c.head_dim,
+            num_kv_heads=kv_shard.size // c.head_dim,
+            head_dim=c.head_dim,
+            scale=c.attn_scale,
+            window=window,
+            softcap=c.attn_softcap,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        s = self.spec
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attention.forward(s, q, k, v, ctx.pool)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+
+class MLP(nn.Module):
+    def __init__(self, b: Build) -> None:
+        super().__init__()
+        c = b.config
+        shard = even_shard(c.intermediate_size, b.tp)
+        self.gate_up_proj = ColumnParallelLinear(
+            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device
+        )
+        self.down_proj = RowParallelLinear(
+            c.intermediate_size, c.hidden_size, b.tp, bias=False, dtype=b.dtype, device=b.device
+        )
+        self.gelu = c.hidden_act.startswith("gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)  # type: ignore[no-any-return]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, b: Build, layer_id: int) -> None:
+        super().__init__()
+        size = b.config.hidden_size
+        self.self_attn = Attention(b, layer_id)
+        self.mlp = MLP(b)
+        self.input_layernorm = b.norm(size)
+        self.post_attention_layernorm = b.norm(size)
+        self.sandwich = b.traits.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = b.norm(size)
+            self.post_feedforward_layernorm = b.norm(size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(x), ctx)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+
+
+class DecoderBody(nn.Module):
+    """Embedding, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, b: Build) -> None:
+        super().__init__()
+        c = b.config
+        self.embed_tokens = VocabParallelEmbedding(
+            c.vocab_size, c.hidden_size, b.tp, dtype=b.dtype, device=b.device
+        )
+        self.layers = nn.ModuleList(DecoderLayer(b, i) for i in range(c.num_layers))
+        self.norm = b.norm(c.hidden_size)
+        # Gemma scales by sqrt(hidden) rounded to the activation dtype, as upstream does.
+        self.embed_scale = (
+            torch.tensor(c.hidden_size**0.5, dtype=b.dtype).item() if b.traits.embed_scale else None
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+
+MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM. Subclasses set `traits`; everything else comes from the config."""
+
+    traits = Traits()
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        b = Build(config, self.traits, tp, dtype, device)
+        self.model = DecoderBody(b)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits  # type: ignore[no-any-return]
+
+    def loaders(self) -> dict[str, tuple[Loadable, int, bool]]:
+        """Checkpoint tensor name -> (module that loads it, shard id, is_bias)."""
+        table: dict[str, tuple[Loadable, int, bool]] = {}
+        for name, module in self.named_modules():
+            if not hasattr(module, "load") or (name == "lm_head" and self.config.tie_word_embeddings):
+                continue
+            parent, _, leaf = name.rpartition(".")
+            for pname, _param in module.named_parameters(recurse=False):
+                targets = MERGED.get(leaf, (leaf,))
+                for shard_id, hf_leaf in enumerate(targets):
+                    key = f"{parent}.{hf_leaf}.{pname}" if parent else f"{hf_leaf}.{pname}"
+                    table[key] = (module, shard_id, pname == "bias")  # type: ignore[assignment]
+        return table

@@ -1,0 +1,177 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, and seeded draws that need no generator.
+
+Every row's randomness is a pure function of (seed, step, vocab index), produced by a counter-based
+hash. So a seeded request draws the same tokens whatever else shares its batch and wherever its row
+sits, and every tensor-parallel rank, holding the same all-gathered logits, draws the same token with
+no broadcast. The draw is the exponential race (Gumbel-max in log space): argmax(log p - log E) with
+E ~ Exp(1) per token is an exact sample from p, and because it needs no normalisation the filtered
+logits can be used as they are (-inf outside the support).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.batch import SamplingBatch
+
+_MASK32 = 0xFFFFFFFF
+# Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    next_tokens: torch.Tensor  # int64 [B]
+    logprobs: torch.Tensor | None  # float32 [B], logprob of the chosen token; None when num_logprobs < 0
+    top_ids: torch.Tensor | None  # int64 [B, n] when num_logprobs > 0
+    top_logprobs: torch.Tensor | None  # float32 [B, n], sorted descending
+
+
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Wellons' lowbias32 hash, in place, on int64 tensors holding values in [0, 2^32).
+
+    Every product must stay below 2^63 (signed int64 overflow is undefined in torch's kernels), so
+    multipliers are kept under 2^31: the second constant 0x846CA68B is split as 0x046CA68B + 2^31,
+    and x * 2^31 mod 2^32 is just the low bit of x moved to bit 31. Each step is a bijection on 32 bits.
+    `scratch` (same shape) spares the [B, V] case one fresh allocation per step, which on CPU costs
+    more in page faults than the arithmetic itself.
+    """
+    tmp = torch.empty_like(x) if scratch is None else scratch
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=tmp))
+    high = torch.bitwise_and(x, 1, out=tmp).bitwise_left_shift_(31)
+    x.mul_(0x046CA68B).add_(high).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
+    return x
+
+
+def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log E for E ~ Exp(1), float32 [B, V], a pure function of (seeds[b], steps[b], v).
+
+    The row key hashes all 64 seed bits and the step; the vocab index is hashed on its own, so two rows
+    never see shifted copies of one noise sequence. A final full hash round per element decorrelates rows.
+    """
+    seeds = seeds.to(torch.int64)
+    key = _mix32_((steps.to(torch.int64) & _MASK32) ^ 0x9E3779B9)
+    key = _mix32_(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32_(key ^ (seeds & _MASK32))
+    vocab = _mix32_(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x632BE5AB)
+    bits = key[:, None] ^ vocab[None, :]
+    _mix32_(bits, torch.empty_like(bits))
+    # The top 24 bits, forced odd, give u = (2j + 1) / 2^24: exact in float32 and strictly inside (0, 1),
+    # so -log(u) is finite and positive. Truncating the exponential's tails at ~6e-8 biases nothing visibly.
+    u = bits.bitwise_right_shift_(8).bitwise_or_(1).to(torch.float32).mul_(2.0**-24)
+    return u.log_().neg_().log_()
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt and output (HF / vLLM), presence and frequency over output only."""
+    history, prompt_lens = batch.history, batch.prompt_lens
+    if history is None:
+        return logits
+    if prompt_lens is None:
+        raise ValueError("SamplingBatch.history needs prompt_lens to tell prompt from output")
+    rows, vocab = logits.shape
+    valid = history >= 0
+    # Padding (-1) scatters into an extra column that is dropped, which avoids any boolean indexing.
+    ids = torch.where(valid, history, vocab)
+    positions = torch.arange(history.shape[1], device=history.device)
+    is_output = valid & (positions[None, :] >= prompt_lens[:, None])
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, ids, is_output.to(logits.dtype))
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, ids, True)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+
+    rep = batch.repetition_penalty.to(logits.dtype)[:, None]
+    # Penalty 1 divides or multiplies by one, which is exact, so unpenalised rows come out bit-identical.
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, repeated, logits)
+    frequency = batch.frequency_penalty.to(logits.dtype)[:, None]
+    presence = batch.presence_penalty.to(logits.dtype)[:, None]
+    penalised: torch.Tensor = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return penalised
+
+
+def _maybe_any(mask: torch.Tensor) -> bool:
+    """Whether any row may use a filter, without a device sync.
+
+    Host tensors are read for free. On an accelerator, reading would stall the CPU until the forward
+    finishes and break the scheduler's overlap, so we answer True and run the masked filter, which is an
+    exact no-op for rows that have it off. (Host-side flags in SamplingBatch would let the GPU skip the sort.)
+    """
+    return mask.device.type != "cpu" or bool(mask.any())
+
+
+def filter_logits_(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k, then top-p over the top-k renormalised mass, then min-p, in place: removed tokens become -inf.
+
+    Cuts are value thresholds, so tokens tied with the last kept one are kept too (no scatter back
+    from sorted order, and ties are treated alike whatever their index).
+    """
+    vocab = scaled.shape[-1]
+    top_k, top_p, min_p = batch.top_k, batch.top_p.to(scaled.dtype), batch.min_p.to(scaled.dtype)
+    use_k, use_p = _maybe_any(top_k > 0), _maybe_any(top_p < 1)
+    if use_k or use_p:
+        ordered = scaled.sort(dim=-1, descending=True).values
+        keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
+        if use_p:
+            in_k = torch.arange(vocab, device=scaled.device)[None, :] < keep[:, None]
+            cumulative = ordered.masked_fill(~in_k, -math.inf).softmax(dim=-1).cumsum(dim=-1)
+            # The smallest prefix whose mass reaches top_p: every token whose inclusive cumsum is below
+            # top_p, plus the one that crosses it. top_p >= 1 is off outright, so float rounding of the
+            # total can never shave the tail.
+            keep_p = (cumulative < top_p[:, None]).sum(dim=-1) + 1
+            keep = torch.where(top_p < 1, torch.minimum(keep, keep_p), keep)
+        threshold = ordered.gather(1, (keep - 1)[:, None])
+        scaled.masked_fill_(scaled < threshold, -math.inf)
+    if _maybe_any(min_p > 0):
+        # p >= min_p * p_max is logit >= max_logit + log(min_p); log(0) = -inf keeps everything.
+        floor = scaled.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+        scaled.masked_fill_(scaled < floor, -math.inf)
+    return scaled
+
+
+class Sampler:
+    """Stateless apart from the vocabulary size: wider logits (a padded lm_head) are cut to it."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        if logits.shape[-1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} columns, vocabulary has {self.vocab_size}")
+        raw = logits[:, : self.vocab_size].float()
+        penalised = apply_penalties(raw, batch)
+        if batch.all_greedy:
+            # torch.argmax returns the first maximal index: ties go to the lowest id, deterministically.
+            tokens = penalised.argmax(dim=-1)
+        else:
+            tokens = self._draw(penalised, batch)
+        return _with_logprobs(penalised, tokens, batch.num_logprobs)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = batch.temperature.to(logits.dtype)
+        greedy = temperature < _GREEDY_EPS
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        scores = filter_logits_(scaled, batch)
+        noise = log_exponential_noise(batch.seeds, batch.steps, self.vocab_size)
+        sampled = noise.neg_().add_(scores).argmax(dim=-1)
+        # Penalties apply to greedy rows too; filters never remove the top token, so plain argmax is right.
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> SampleResult:
+    """Logprobs of the logits as the model produced them, before penalties and filters (vLLM's "raw")."""
+    if num_logprobs < 0:
+        return SampleResult(tokens, None, None, None)
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if num_logprobs == 0:
+        return SampleResult(tokens, chosen, None, None)
+    top = logprobs.topk(min(num_logprobs, raw.shape[-1]), dim=-1, sorted=True)
+    return SampleResult(tokens, chosen, top.indices, top.values)

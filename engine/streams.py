@@ -1,0 +1,97 @@
+"""CUDA streams and events, with stand-ins on CPU so the loops run the same code everywhere.
+
+Each rank owns one `StreamSet`; nothing here is process-global. On CPU every operation is
+synchronous, so the stand-ins only track which stream is "current" so the loops' stream assertions
+still hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+
+class Event(Protocol):
+    def record(self, stream: Stream | None = None) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+class Stream(Protocol):
+    def wait_stream(self, other: Stream) -> None: ...
+
+
+class HostEvent:
+    """An event for work that is already complete when it is recorded (CPU execution)."""
+
+    def record(self, stream: Stream | None = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class HostStream:
+    """A named CPU stand-in: work on CPU runs in order on the calling thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_stream(self, other: Stream) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"HostStream({self.name})"
+
+
+class StreamSet:
+    """The scheduler, engine and copy streams of one rank, and which of them is current."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.scheduler: Stream
+        self.engine: Stream
+        self.copy: Stream
+        if self.is_cuda:
+            self.scheduler = torch.cuda.Stream(device)
+            self.engine = torch.cuda.Stream(device)
+            self.copy = torch.cuda.Stream(device)
+        else:
+            self.scheduler = HostStream("scheduler")
+            self.engine = HostStream("engine")
+            self.copy = HostStream("copy")
+        self._host_current: Stream = self.scheduler
+
+    def current(self) -> Stream:
+        if self.is_cuda:
+            return torch.cuda.current_stream(self.device)
+        return self._host_current
+
+    @contextlib.contextmanager
+    def use(self, stream: Stream) -> Iterator[None]:
+        if self.is_cuda:
+            assert isinstance(stream, torch.cuda.Stream)
+            with torch.cuda.stream(stream):
+                yield
+            return
+        previous = self._host_current
+        self._host_current = stream
+        try:
+            yield
+        finally:
+            self._host_current = previous
+
+    def new_event(self) -> Event:
+        if self.is_cuda:
+            return torch.cuda.Event()
+        return HostEvent()
+
+    def is_current(self, stream: Stream) -> bool:
+        return self.current() == stream

@@ -1,0 +1,17 @@
+"""Tiny random-weight HF models (six families) and the embedded default model for `tandem serve`."""
+
+from .factory import DEFAULT_MODEL_FAMILY, FAMILIES, default_model_dir, make_tiny_model, tiny_config
+from .tokenizer import EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, SPECIAL_TOKENS, load_tiny_tokenizer
+
+__all__ = [
+    "DEFAULT_MODEL_FAMILY",
+    "EOS_TOKEN",
+    "FAMILIES",
+    "IM_END_TOKEN",
+    "IM_START_TOKEN",
+    "SPECIAL_TOKENS",
+    "default_model_dir",
+    "load_tiny_tokenizer",
+    "make_tiny_model",
+    "tiny_config",
+]

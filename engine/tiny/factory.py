@@ -1,0 +1,220 @@
+"""Write complete, tiny, random-weight HF model directories for each supported family.
+
+The models are used by tests that compare our engine token-for-token against transformers, so the weights
+are re-initialised (see `_reinit`) to give peaked, decisive logits: with the near-flat logits of a stock
+random init, the two implementations' different float32 summation orders would flip greedy choices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from .tokenizer import EOS_TOKEN, IM_END_TOKEN, MODEL_MAX_LENGTH, load_tiny_tokenizer, special_token_ids
+
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
+}
+
+# Gemma's RMSNorm multiplies by (1 + weight); everyone else multiplies by weight.
+_OFFSET_NORM_FAMILIES = frozenset({"gemma2", "gemma3"})
+
+# Bump when the bytes `make_tiny_model` writes change, so stale default-model caches are not reused.
+DEFAULT_MODEL_VERSION = "v1"
+DEFAULT_MODEL_FAMILY = "qwen3"
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": MODEL_MAX_LENGTH,
+    "rms_norm_eps": 1e-6,
+}
+
+# Rope is given in the legacy `rope_theta`/`rope_scaling` form: transformers 5.x folds it into
+# `rope_parameters` (what lands in config.json), and 4.x reads it natively. The bases differ per family on
+# purpose, so an engine that hard-codes 10000 is caught.
+_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": {
+        "rope_theta": 500000.0,
+        # Llama-3.1 scaling with a tiny original context, so all three frequency bands (kept, smoothed,
+        # divided by `factor`) occur for head_dim 16 and the scaling matters at short lengths.
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        "tie_word_embeddings": True,
+    },
+    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": False},  # q/k/v bias is built into Qwen2
+    "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": True},  # q/k RMSNorm is built into Qwen3
+    "mistral": {"rope_theta": 10000.0, "sliding_window": 32, "tie_word_embeddings": False},
+    "gemma2": {
+        "rope_theta": 10000.0,
+        "sliding_window": 32,  # default layer_types alternate sliding/full
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 16,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "num_hidden_layers": 6,  # default 5:1 sliding/full pattern -> layer 5 is global
+        "sliding_window": 32,
+        "query_pre_attn_scalar": 16,
+        "tie_word_embeddings": True,
+        # rope: the config class's defaults (sliding 10000, full 1e6).
+    },
+}
+
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq")
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; supported families: {', '.join(FAMILIES)}")
+
+
+def tiny_config(family: str, **config_overrides: Any) -> PretrainedConfig:
+    """The transformers config `make_tiny_model` would write, before weights exist."""
+    return _build_config(family, load_tiny_tokenizer(), config_overrides)
+
+
+def _build_config(
+    family: str, tokenizer: PreTrainedTokenizerFast, config_overrides: dict[str, Any]
+) -> PretrainedConfig:
+    _check_family(family)
+    ids = special_token_ids(tokenizer)
+    eos, im_end = ids[EOS_TOKEN], ids[IM_END_TOKEN]
+    kwargs: dict[str, Any] = {
+        **_COMMON,
+        **_FAMILY[family],
+        "vocab_size": len(tokenizer),
+        # No BOS is ever prepended; like Qwen, point bos at <|endoftext|> so generate() has a valid id.
+        "bos_token_id": eos,
+        "eos_token_id": [eos, im_end],
+        "pad_token_id": eos,
+    }
+    if "rope_parameters" in config_overrides:
+        # New-style rope wins over legacy keys inside transformers, so drop ours to avoid a silent merge.
+        for key in _ROPE_KEYS:
+            kwargs.pop(key, None)
+    kwargs.update(config_overrides)
+    return _CONFIG_CLASSES[family](**kwargs)
+
+
+@torch.no_grad()
+def _reinit(model: PreTrainedModel, family: str, seed: int) -> None:
+    """Re-draw every weight from a private generator, in name order, at a scale that gives peaked logits.
+
+    A private generator keeps the weights independent of transformers' own init code (which changes
+    between versions). Scales: linear weights N(0, 1/fan_in) keep each residual branch O(1); embeddings
+    are small (0.1; 0.02 for Gemma, which multiplies them by sqrt(hidden)) so the layers dominate the
+    residual stream -- otherwise a tied-embedding model just predicts its input token back. Norm weights
+    are randomised around their identity value so a missing or mis-applied norm weight changes outputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    offset_norm = family in _OFFSET_NORM_FAMILIES
+    embed_std = 0.02 if offset_norm else 0.1
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if param.ndim >= 2 and ("embed" in name or "lm_head" in name):
+            value = noise * embed_std
+        elif param.ndim >= 2:
+            value = noise / math.sqrt(param.shape[-1])
+        elif name.endswith(".bias"):
+            value = noise * 0.1
+        else:  # RMSNorm weight
+            value = noise * 0.1 + (0.0 if offset_norm else 1.0)
+        param.copy_(value.to(param.dtype))
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str], family: str = "qwen3", *, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write a complete HF model directory (config, float32 safetensors, generation config, tokenizer with
+    chat template) for `family` into `path` and return it. `config_overrides` replace config fields."""
+    _check_family(family)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tiny_tokenizer()
+    config = _build_config(family, tokenizer, config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.float32)
+    _reinit(model, family, seed)
+    ids = special_token_ids(tokenizer)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[EOS_TOKEN],
+        eos_token_id=[ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        pad_token_id=ids[EOS_TOKEN],
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem" / f"tiny-default-{DEFAULT_MODEL_VERSION}"
+
+
+def _is_complete(model_dir: Path) -> bool:
+    return all((model_dir / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """The embedded default model (a tiny qwen3), built once into `cache_dir` and returned.
+
+    `cache_dir` is the model directory itself (default `$XDG_CACHE_HOME` or `~/.cache`, then
+    `tandem/tiny-default-v1`). It is built in a sibling temp dir and renamed into place, so a concurrent
+    process sees either nothing or a complete model; if another process wins the race, its copy is kept
+    (the build is deterministic, so both are identical).
+    """
+    target = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        make_tiny_model(tmp, DEFAULT_MODEL_FAMILY, seed=0)
+        if target.exists() and not _is_complete(target):
+            # Not ours (our renames are atomic): e.g. an empty dir someone created. Replace it.
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,193 @@
+"""The offline API: `LLM(model).generate(prompts, sampling)` (ARCHITECTURE §6)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from tandem.engine.distributed import TPGroup
+from tandem.engine.hub import resolve_model_dir
+from tandem.replicas.detokenizer import IncrementalDetokenizer
+from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
+from tandem.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def to_spec(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+    )
+
+
+class LLM:
+    """Offline generation over one model copy. tp_size > 1 runs rank actors on a local Ray cluster."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tp_size: int = 1,
+        device: str = "auto",
+        dtype: str = "auto",
+        page_size: int | None = None,
+        chunk_size: int | None = None,
+        prefix_cache: bool = True,
+        overlap: bool = True,
+        cuda_graph: bool = True,
+        max_running: int | None = None,
+        seed: int = 0,
+        **engine_options: Any,
+    ) -> None:
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if tp_size > 1:
+            raise NotImplementedError("tp_size > 1 needs the Ray rank actors (tandem.replicas)")
+        from transformers import AutoTokenizer
+
+        self.model_dir = resolve_model_dir(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        options = RuntimeOptions(
+            device=device,
+            dtype=dtype,
+            page_size=page_size,
+            chunk_size=chunk_size,
+            prefix_cache=prefix_cache,
+            overlap=overlap,
+            cuda_graph=cuda_graph,
+            max_running=max_running,
+            seed=seed,
+            **engine_options,
+        )
+        self._inbox: deque[SchedulerMsg] = deque()
+        self._outputs: list[TokenOutput] = []
+        self.runtime = RankRuntime(self.model_dir, options, TPGroup(), self._outputs.extend)
+        self.vocab_size = self.runtime.engine.model_config.vocab_size
+        self._next_rid = 0
+
+    def _receive(self, blocking: bool) -> list[SchedulerMsg]:
+        msgs = list(self._inbox)
+        self._inbox.clear()
+        return msgs
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {bad[:3]}")
+        return ids
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not ids:
+            raise ValueError("prompt is empty")
+        limit = self.runtime.max_seq_len
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
+                f"context length of {limit} tokens"
+            )
+        capacity = self.runtime.kv_capacity_tokens()
+        if len(ids) + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the KV cache "
+                f"capacity of {capacity} tokens"
+            )
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self._prompt_ids(p) for p in prompts]
+        for i, p in zip(ids, params):
+            self._check(i, p)  # everything is validated before anything is admitted
+        return self._run(ids, params, use_tqdm)
+
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[int, RequestOutput] = {}
+        detoks: dict[int, IncrementalDetokenizer] = {}
+        for prompt_ids, p in zip(ids, params):
+            rid = self._next_rid
+            self._next_rid += 1
+            results[rid] = RequestOutput(prompt_token_ids=prompt_ids)
+            if p.stop_strings:
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop_strings)
+            self._inbox.append(AddRequest(rid, prompt_ids, to_spec(p)))
+        bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req")
+        pending = len(results)
+        while pending:
+            self.runtime.step(self._receive)
+            outputs, self._outputs[:] = list(self._outputs), []
+            for out in outputs:
+                res = results.get(out.rid)
+                if res is None or res.finish_reason is not None:
+                    continue
+                if out.token_id is not None:
+                    res.token_ids.append(out.token_id)
+                    if out.logprob is not None:
+                        res.logprobs.append(out.logprob)
+                    if out.top_logprobs is not None:
+                        res.top_logprobs.append(out.top_logprobs)
+                    detok = detoks.get(out.rid)
+                    if detok is not None and (detok.add(out.token_id) or True) and detok.stopped:
+                        res.finish_reason = "stop"
+                        self._inbox.append(AbortRequest(out.rid))
+                if out.finish_reason is not None and res.finish_reason is None:
+                    res.finish_reason = out.finish_reason
+                if res.finish_reason is not None:
+                    pending -= 1
+                    bar.update(1)
+        while self.runtime.busy:  # let aborted requests drain so their pages return
+            self.runtime.step(self._receive)
+        self._outputs.clear()
+        bar.close()
+        for rid, res in results.items():
+            detok = detoks.get(rid)
+            if detok is not None:
+                detok.flush()
+                res.text = detok.text
+            else:
+                res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        return list(results.values())
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.runtime.scheduler.stats())
+
+    def shutdown(self) -> None:
+        self._inbox.clear()

@@ -1,0 +1,208 @@
+"""KV page accounting for all requests: allocation, reservations, the prefix cache, window eviction
+and the deferred-free rule.
+
+**The deferred-free rule.** With overlap, batch N may still be reading a page on the device while
+batch N+1 is being scheduled. So a page given up by a request (window eviction) is not returned to
+the allocator at once: it is tagged with the id of the newest launched batch and released in result
+processing, after that batch's copy-done event has fired (`flush`). A finished or aborted request is
+released the same way by the scheduler, only after the last batch that contains it has completed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.scheduler.pages import PageAllocator
+from tandem.scheduler.radix_cache import RadixCache
+from tandem.scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    group_id: int
+    window: int | None
+    num_pages: int
+
+
+@dataclass
+class _Pending:
+    after_batch: int
+    group: int
+    pages: list[int]
+    owner: Request | None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVManager:
+    """Owns one page allocator per KV group, plus the radix cache when prefix caching applies.
+
+    Invariant: every page is exactly one of free, cached (owned by the radix tree), held by a live
+    request, or pending release. Admission reserves a request's worst case, so a running request
+    never finds the pool empty and nothing is ever dropped.
+    """
+
+    def __init__(self, groups: list[GroupInfo], page_size: int, *, prefix_cache: bool, chunk_size: int):
+        self.groups = groups
+        self.page_size = page_size
+        self.chunk_size = chunk_size
+        self.allocators = [PageAllocator(g.num_pages) for g in groups]
+        # Window layers would need their own eviction-aware tree; cache prefixes only for models
+        # whose layers all attend to the full context.
+        self.cache: RadixCache | None = None
+        if prefix_cache and len(groups) == 1 and groups[0].window is None:
+            self.cache = RadixCache(page_size, self.allocators[0])
+        self.pending: deque[_Pending] = deque()
+        self.outstanding = [0] * len(groups)  # reserved but not yet allocated, over all requests
+
+    # ---- admission -------------------------------------------------------------------------
+    def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
+        """Most pages a request of `total_tokens` can hold at once in `group` (pending included)."""
+        full = _ceil_div(total_tokens, self.page_size)
+        window = self.groups[group].window
+        if window is None:
+            return full
+        # Live keys span (p0 - window, p0 + ext); the previous step's evicted pages may still be
+        # pending, so allow one more step's worth of tokens.
+        step = min(self.chunk_size, prompt_len)
+        return min(full, _ceil_div(window - 1 + 2 * step, self.page_size) + 1)
+
+    def available(self, group: int) -> int:
+        evictable = self.cache.evictable_pages if self.cache is not None and group == 0 else 0
+        return self.allocators[group].num_free + evictable - self.outstanding[group]
+
+    def capacity(self, group: int) -> int:
+        return self.groups[group].num_pages
+
+    def match_prefix(self, req: Request) -> None:
+        """Reuse cached pages for the prompt's prefix, keeping at least one token to compute."""
+        if self.cache is None:
+            return
+        usable = (req.prompt_len - 1) // self.page_size * self.page_size
+        match = self.cache.match_prefix(req.prompt_ids[:usable])
+        if match.num_tokens == 0:
+            return
+        self.cache.lock(match.handle)
+        req.prefix_handle = match.handle
+        req.cached_prefix = match.num_tokens
+        req.kv_len = match.num_tokens
+        req.pages[0] = list(match.pages)
+
+    def admit(self, req: Request, total_tokens: int) -> bool:
+        """Reserve the request's worst case in every group, or return False to keep it queued."""
+        budgets = [self.budget(g.group_id, total_tokens, req.prompt_len) for g in self.groups]
+        req.pages = [[] for _ in self.groups]
+        req.evicted = [0] * len(self.groups)
+        self.match_prefix(req)
+        own = [b - len(p) for b, p in zip(budgets, req.pages)]
+        if any(own[g] > self.available(g) for g in range(len(self.groups))):
+            self._drop_prefix(req)
+            return False
+        req.reserved = own
+        for g, n in enumerate(own):
+            self.outstanding[g] += n
+        return True
+
+    def _drop_prefix(self, req: Request) -> None:
+        if self.cache is not None and req.prefix_handle is not None:
+            self.cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
+        req.prefix_handle, req.cached_prefix, req.kv_len = None, 0, 0
+        req.pages = []
+
+    # ---- growth and window eviction --------------------------------------------------------
+    def grow(self, req: Request, new_len: int) -> None:
+        """Allocate pages so the request's KV can hold `new_len` tokens."""
+        for g in range(len(self.groups)):
+            need = _ceil_div(new_len, self.page_size) - len(req.pages[g])
+            if need <= 0:
+                continue
+            if need > req.reserved[g]:
+                raise RuntimeError(f"request {req.rid} outgrew its KV reservation in group {g}")
+            req.pages[g].extend(self._alloc(g, need))
+            req.reserved[g] -= need
+            self.outstanding[g] -= need
+
+    def _alloc(self, group: int, n: int) -> list[int]:
+        allocator = self.allocators[group]
+        if allocator.num_free < n and self.cache is not None and group == 0:
+            self.cache.evict(n - allocator.num_free)
+        return allocator.alloc(n)
+
+    def evict_window(self, req: Request, first_query_pos: int, newest_batch: int) -> None:
+        """Give up pages whose every token is outside the window of all queries from now on."""
+        for g, info in enumerate(self.groups):
+            if info.window is None:
+                continue
+            keep_from = max(0, first_query_pos - info.window + 1)
+            upto = min(keep_from // self.page_size, len(req.pages[g]))
+            if upto > req.evicted[g]:
+                pages = req.pages[g][req.evicted[g] : upto]
+                req.evicted[g] = upto
+                self.pending.append(_Pending(newest_batch, g, pages, req))
+
+    def kv_start(self, req: Request, group: int) -> int:
+        return req.evicted[group] * self.page_size
+
+    # ---- release -----------------------------------------------------------------------------
+    def release(self, req: Request, token_ids: list[int]) -> None:
+        """Return a finished request's pages; call only once no in-flight batch can read them."""
+        for g in range(len(self.groups)):
+            self.outstanding[g] -= req.reserved[g]
+            req.reserved[g] = 0
+        live = [pages[req.evicted[g] :] for g, pages in enumerate(req.pages)]
+        if self.cache is not None:
+            live[0] = self._insert_into_cache(req, token_ids, live[0])
+        for g, pages in enumerate(live):
+            self.allocators[g].free(pages)
+        if self.cache is not None and req.prefix_handle is not None:
+            self.cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
+        req.prefix_handle = None
+        req.pages = [[] for _ in self.groups]
+        req.released = True
+
+    def _insert_into_cache(self, req: Request, token_ids: list[int], pages: list[int]) -> list[int]:
+        """Hand whole computed pages to the tree; return the pages the caller must still free."""
+        assert self.cache is not None
+        computed = min(req.kv_len, len(token_ids))
+        whole = computed // self.page_size
+        if whole == 0:
+            return pages if req.cached_prefix == 0 else pages[req.cached_prefix // self.page_size :]
+        already = self.cache.insert(token_ids[: whole * self.page_size], pages[:whole])
+        mine = req.cached_prefix // self.page_size  # pages that came from the tree itself
+        already_pages = already // self.page_size
+        return pages[mine:already_pages] + pages[whole:]
+
+    def flush(self, completed_batch: int) -> None:
+        """Release pending pages whose readers (batches up to `completed_batch`) have all finished."""
+        while self.pending and self.pending[0].after_batch <= completed_batch:
+            item = self.pending.popleft()
+            self.allocators[item.group].free(item.pages)
+            owner = item.owner
+            if owner is not None and not owner.released:
+                # The owner's budget counts pending pages as held; now they are back, so it may
+                # allocate that many again.
+                owner.reserved[item.group] += len(item.pages)
+                self.outstanding[item.group] += len(item.pages)
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int | list[int]]:
+        cached = self.cache.cached_pages if self.cache is not None else 0
+        totals = [g.num_pages for g in self.groups]
+        free = [a.num_free for a in self.allocators]
+        pending = [0] * len(self.groups)
+        for item in self.pending:
+            pending[item.group] += len(item.pages)
+        used = [t - f - p - (cached if g == 0 else 0) for g, (t, f, p) in enumerate(zip(totals, free, pending))]
+        return {
+            "kv_pages_total": sum(totals),
+            "kv_pages_used": sum(used),
+            "kv_pages_cached": cached,
+            "kv_pages_pending": sum(pending),
+            "kv_pages_total_per_group": totals,
+            "kv_pages_used_per_group": used,
+            "prefix_cache_hit_tokens": self.cache.hit_tokens if self.cache is not None else 0,
+            "prefix_cache_query_tokens": self.cache.query_tokens if self.cache is not None else 0,
+        }

@@ -1,0 +1,46 @@
+"""Messages into the scheduler (add, abort) and the token outputs it emits, as msgspec structs so the
+same types cross the replica <-> rank-0 channel without conversion."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingSpec(msgspec.Struct, frozen=True):
+    """The wire form of SamplingParams that the scheduler needs (stop strings stay in the replica)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True):
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    rid: int
+
+
+SchedulerMsg = AddRequest | AbortRequest
+
+
+class TokenOutput(msgspec.Struct, frozen=True):
+    """One new token of one request; `finish_reason` is set on its last output."""
+
+    rid: int
+    token_id: int | None  # None for an output that only carries a finish (abort)
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None

@@ -1,0 +1,68 @@
+"""The scheduler's state for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.scheduler.messages import SamplingSpec
+
+_SEED_MASK = (1 << 62) - 1
+
+
+@dataclass(eq=False)
+class Request:
+    """Lengths advance at schedule time, before the sampled values are known on the host.
+
+    - `kv_len`: tokens whose KV has been scheduled (computed or in flight).
+    - `device_len`: tokens whose ids are (or will be, once in-flight batches land) in the token pool:
+      the prompt plus every output scheduled so far.
+    - `output_ids`: outputs the host has seen; it lags `device_len` by the in-flight steps.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    seed: int
+    slot: int = -1
+    kv_len: int = 0
+    device_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Pages per KV group, by logical page index; entries below `evicted[g]` pages are freed.
+    pages: list[list[int]] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)  # pages promised but not yet allocated
+    cached_prefix: int = 0  # tokens matched in the prefix cache (their pages are the tree's)
+    prefix_handle: object | None = None
+    last_batch: int = -1  # id of the latest batch this request was scheduled in
+    released: bool = False  # its pages have gone back to the pool or the prefix cache
+
+    def __post_init__(self) -> None:
+        if not self.device_len:
+            self.device_len = len(self.prompt_ids)
+
+    @staticmethod
+    def derive_seed(base_seed: int, rid: int, seed: int | None) -> int:
+        if seed is not None:
+            return seed & _SEED_MASK
+        return (base_seed * 1_000_003 + rid * 7919 + 1) & _SEED_MASK
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def scheduled_outputs(self) -> int:
+        return self.device_len - self.prompt_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.prompt_len
+
+    def wants_more(self, max_seq_len: int) -> bool:
+        """True while another step could produce an output (as far as schedule-time lengths know)."""
+        return (
+            self.finish_reason is None
+            and self.scheduled_outputs < self.sampling.max_tokens
+            and self.device_len < max_seq_len
+        )

@@ -1,0 +1,49 @@
+"""Turn a processed batch's host tokens into per-request outputs and finish decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.engine.batch import ForwardOutput
+from tandem.scheduler.batch_builder import Row
+from tandem.scheduler.messages import TokenOutput
+
+
+class ResultProcessor:
+    def __init__(
+        self, max_seq_len: int, eos_token_ids: tuple[int, ...], emit: Callable[[list[TokenOutput]], None]
+    ) -> None:
+        self.max_seq_len = max_seq_len
+        self.eos = frozenset(eos_token_ids)
+        self.emit = emit
+
+    def emit_finish(self, rid: int, reason: str) -> None:
+        self.emit([TokenOutput(rid, None, reason)])
+
+    def process(self, rows: list[Row], output: ForwardOutput) -> None:
+        tokens = output.next_tokens_host.tolist()
+        logprobs = output.logprobs_host.tolist() if output.logprobs_host is not None else None
+        top_ids = output.top_ids_host.tolist() if output.top_ids_host is not None else None
+        top_vals = output.top_logprobs_host.tolist() if output.top_logprobs_host is not None else None
+        outs: list[TokenOutput] = []
+        for i, row in enumerate(rows):
+            req = row.req
+            # Rows mid-prefill produce nothing; a request that finished while this batch was in
+            # flight got one wasted step, whose token is dropped here.
+            if not row.samples or req.finish_reason is not None:
+                continue
+            token = int(tokens[i])
+            req.output_ids.append(token)
+            spec = req.sampling
+            if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos):
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= spec.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_seq_len:
+                req.finish_reason = "length"
+            logprob = top = None
+            if spec.logprobs is not None and logprobs is not None:
+                logprob = float(logprobs[i])
+                if spec.logprobs > 0 and top_ids is not None and top_vals is not None:
+                    top = list(zip(top_ids[i][: spec.logprobs], top_vals[i][: spec.logprobs]))
+            outs.append(TokenOutput(req.rid, token, req.finish_reason, logprob, top))
+        if outs:
+            self.emit(outs)

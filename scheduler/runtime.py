@@ -1,0 +1,118 @@
+"""One rank's engine and scheduler, built from the user's options, and the loops that drive them.
+
+`tandem.LLM` runs a RankRuntime in-process for tp_size=1; each Ray rank actor runs one per GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.engine.distributed import TPGroup
+from tandem.engine.engine import Engine
+from tandem.engine.engine_config import resolve_engine_config
+from tandem.engine.streams import StreamSet
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.kv_manager import GroupInfo, KVManager
+from tandem.scheduler.messages import SchedulerMsg, TokenOutput
+from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The LLM options of ARCHITECTURE §6 plus a few engine knobs; None means "pick for the device"."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int | None = None
+    chunk_size: int | None = None
+    prefix_cache: bool = True
+    overlap: bool = True
+    cuda_graph: bool = True
+    copy_stream: bool = True
+    max_running: int | None = None
+    seed: int = 0
+    num_pages: int | None = None
+    max_model_len: int | None = None
+    mem_fraction: float = 0.85
+    guard_inflight_pages: bool = False
+
+    def validate(self) -> None:
+        for name in ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+class RankRuntime:
+    """Engine + scheduler of one rank, with the streams they share."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        options: RuntimeOptions,
+        tp: TPGroup,
+        emit: Callable[[list[TokenOutput]], None],
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        options.validate()
+        config = resolve_engine_config(
+            model_dir,
+            device=options.device,
+            dtype=options.dtype,
+            page_size=options.page_size,
+            num_pages=options.num_pages,
+            mem_fraction=options.mem_fraction,
+            cuda_graph=options.cuda_graph,
+            copy_stream=options.copy_stream,
+        )
+        self.streams = StreamSet(config.device)
+        self.engine = Engine(config, tp, self.streams, progress)
+        mc = self.engine.model_config
+        self.max_seq_len = min(mc.max_position_embeddings, options.max_model_len or mc.max_position_embeddings)
+        on_gpu = config.device.type == "cuda"
+        chunk = options.chunk_size or 8192
+        kv = KVManager(
+            [GroupInfo(g.group_id, g.window, g.num_pages) for g in self.engine.groups],
+            config.page_size,
+            prefix_cache=options.prefix_cache,
+            chunk_size=chunk,
+        )
+        sched_config = SchedulerConfig(
+            max_running=options.max_running or (256 if on_gpu else 64),
+            chunk_size=chunk,
+            max_seq_len=self.max_seq_len,
+            prefix_cache=kv.cache is not None,
+            overlap=options.overlap,
+            seed=options.seed,
+            guard_inflight_pages=options.guard_inflight_pages,
+        )
+        self.scheduler = Scheduler(sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit)
+        self.overlap = options.overlap
+        self._last: InFlight | None = None
+
+    def step(self, receive: MessageSource) -> None:
+        """One loop iteration; the caller keeps calling while `busy`."""
+        with self.streams.use(self.streams.scheduler), torch.inference_mode():
+            if self.overlap:
+                self._last = self.scheduler.overlap_step(receive, self._last)
+            else:
+                self.scheduler.normal_step(receive)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work or self._last is not None
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one request may hold in the smallest full-attention pool (for admission checks)."""
+        kv = self.scheduler.kv
+        return min(g.num_pages for g in kv.groups if g.window is None) * kv.page_size if any(
+            g.window is None for g in kv.groups
+        ) else self.max_seq_len
+
+
+def no_messages(blocking: bool) -> list[SchedulerMsg]:
+    return []

@@ -1,0 +1,240 @@
+"""The scheduler of one rank: admit, schedule, launch and process batches, in the normal or overlap loop.
+
+Every TP rank runs this same code on the same messages, so all containers are insertion-ordered and
+every decision is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from tandem.engine.batch import ForwardBatch, ForwardOutput
+from tandem.engine.streams import StreamSet
+from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
+from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.kv_manager import KVManager
+from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
+from tandem.scheduler.request import Request
+from tandem.scheduler.results import ResultProcessor
+from tandem.scheduler.table import RequestTable
+
+
+class EngineLike:
+    """What the scheduler needs of the engine (a Protocol in spirit; typed loosely for tests)."""
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        raise NotImplementedError
+
+
+@dataclass
+class InFlight:
+    """A launched batch whose results have not been processed yet."""
+
+    prepared: PreparedBatch
+    output: ForwardOutput
+
+
+MessageSource = Callable[[bool], list[SchedulerMsg]]
+
+
+class Scheduler:
+    """Owns the request queues, the KV manager and the token pool of one rank."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        engine: EngineLike,
+        kv: KVManager,
+        streams: StreamSet,
+        eos_token_ids: tuple[int, ...],
+        emit: Callable[[list[TokenOutput]], None],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.kv = kv
+        self.streams = streams
+        self.device = streams.device
+        self.table = RequestTable(
+            config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
+        )
+        self.builder = BatchBuilder(self.table, kv, self.device)
+        self.waiting: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}
+        self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
+        self.next_batch_id = 0
+        self.last_processed = -1
+        self.inflight_pages: dict[int, set[tuple[int, int]]] = {}
+
+    # ---- messages --------------------------------------------------------------------------
+    def handle(self, msg: SchedulerMsg) -> None:
+        if isinstance(msg, AddRequest):
+            seed = Request.derive_seed(self.config.seed, msg.rid, msg.sampling.seed)
+            self.waiting[msg.rid] = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.rid)
+
+    def _abort(self, rid: int) -> None:
+        if rid in self.waiting:
+            del self.waiting[rid]
+            self.results.emit_finish(rid, "abort")
+            return
+        req = self.running.get(rid)
+        if req is None or req.finish_reason is not None:
+            return
+        req.finish_reason = "abort"
+        self.results.emit_finish(rid, "abort")
+        self._release_if_idle(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _schedule(self) -> PreparedBatch | None:
+        self.kv.flush(self.last_processed)
+        newest_launched = self.next_batch_id - 1
+        rows: list[Row] = []
+        budget = self.config.chunk_size
+        for req in self.running.values():
+            if req.finish_reason is not None or req.kv_len >= req.device_len:
+                continue
+            if req.in_prefill:
+                if budget <= 0:
+                    continue
+                length = min(req.prompt_len - req.kv_len, budget)
+                budget -= length
+            elif req.wants_more(self.config.max_seq_len):
+                length = 1
+            else:
+                continue
+            rows.append(self._row(req, length, newest_launched))
+        while self.waiting and budget > 0 and self.table.num_free > 0:
+            req = next(iter(self.waiting.values()))
+            total = min(req.prompt_len + req.sampling.max_tokens, self.config.max_seq_len)
+            if not self.kv.admit(req, total):
+                break  # FIFO: wait for pages instead of letting later requests overtake
+            del self.waiting[req.rid]
+            req.slot = self.table.acquire()
+            self.running[req.rid] = req
+            with self.streams.use(self.streams.scheduler):
+                self.table.write_prompt(req.slot, req.prompt_ids, self.device.type == "cuda")
+            for g in range(len(self.kv.groups)):
+                self.table.set_pages(g, req.slot, 0, req.pages[g])
+            length = min(req.prompt_len - req.kv_len, budget)
+            budget -= length
+            rows.append(self._row(req, length, newest_launched))
+        if not rows:
+            return None
+        batch_id = self.next_batch_id
+        self.next_batch_id += 1
+        prepared = self.builder.build(batch_id, rows)
+        for row in rows:
+            row.req.kv_len = row.start + row.length
+            row.req.last_batch = batch_id
+            if row.samples:
+                row.req.device_len += 1
+        if self.config.guard_inflight_pages:
+            self.inflight_pages[batch_id] = self._pages_read(rows)
+        return prepared
+
+    def _row(self, req: Request, length: int, newest_launched: int) -> Row:
+        start = req.kv_len
+        self.kv.evict_window(req, start, newest_launched)
+        before = [len(p) for p in req.pages]
+        self.kv.grow(req, start + length)
+        for g, pages in enumerate(req.pages):
+            new = pages[before[g] :]
+            if self.config.guard_inflight_pages:
+                self._check_not_inflight(g, new)
+            self.table.set_pages(g, req.slot, before[g], new)
+        samples = start + length == req.device_len
+        return Row(req, start, length, samples)
+
+    def _pages_read(self, rows: list[Row]) -> set[tuple[int, int]]:
+        return {
+            (g, p) for r in rows for g, pages in enumerate(r.req.pages) for p in pages[r.req.evicted[g] :]
+        }
+
+    def _check_not_inflight(self, group: int, pages: list[int]) -> None:
+        for batch_id, used in self.inflight_pages.items():
+            for page in pages:
+                if (group, page) in used:
+                    raise AssertionError(f"page {page} of group {group} reused while batch {batch_id} may read it")
+
+    # ---- launch and results ----------------------------------------------------------------
+    def _launch(self, prepared: PreparedBatch) -> InFlight:
+        pool = self.table.token_pool
+        input_ids = pool[prepared.input_mapping]
+        sampling = prepared.sampling
+        if prepared.history_index is not None:
+            index = prepared.history_index
+            history = torch.where(index >= 0, pool[index], torch.full_like(index, -1))
+            sampling = replace(sampling, history=history)
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=prepared.positions,
+            seq_lens=prepared.seq_lens,
+            extend_lens=prepared.extend_lens,
+            seq_lens_cpu=prepared.seq_lens_cpu,
+            extend_lens_cpu=prepared.extend_lens_cpu,
+            groups=prepared.groups,
+            sampling=sampling,
+            is_decode=prepared.is_decode,
+        )
+        output = self.engine.forward(batch)
+        pool[prepared.output_mapping] = output.next_tokens
+        return InFlight(prepared, output)
+
+    def _process(self, done: InFlight) -> None:
+        done.output.copy_done.synchronize()
+        batch_id = done.prepared.batch_id
+        self.last_processed = batch_id
+        self.inflight_pages.pop(batch_id, None)
+        self.kv.flush(batch_id)
+        self.results.process(done.prepared.rows, done.output)
+        for row in done.prepared.rows:
+            if row.req.finish_reason is not None:
+                self._release_if_idle(row.req)
+
+    def _release_if_idle(self, req: Request) -> None:
+        """Free a finished request once no unprocessed batch contains it (the deferred-free rule)."""
+        if req.released or req.last_batch > self.last_processed:
+            return
+        self.kv.release(req, req.prompt_ids + req.output_ids)
+        self.table.release(req.slot)
+        del self.running[req.rid]
+
+    # ---- the loops -------------------------------------------------------------------------
+    def normal_step(self, receive: MessageSource) -> None:
+        """Schedule a batch, run it, and process it at once (the ablation baseline)."""
+        assert self.streams.is_current(self.streams.scheduler), "normal loop runs on the scheduler stream"
+        for msg in receive(not self.has_work):
+            self.handle(msg)
+        prepared = self._schedule()
+        if prepared is not None:
+            self._process(self._launch(prepared))
+
+    def overlap_step(self, receive: MessageSource, last: InFlight | None) -> InFlight | None:
+        """Launch batch N on the engine stream, then process batch N-1 while N runs."""
+        assert self.streams.is_current(self.streams.scheduler), "overlap loop schedules on its stream"
+        for msg in receive(last is None and not self.has_work):
+            self.handle(msg)
+        prepared = self._schedule()
+        ongoing = None
+        if prepared is not None:
+            with self.streams.use(self.streams.engine):
+                self.streams.engine.wait_stream(self.streams.scheduler)
+                assert self.streams.is_current(self.streams.engine)
+                ongoing = self._launch(prepared)
+        if last is not None:
+            self._process(last)
+        return ongoing
+
+    def stats(self) -> dict[str, int | list[int]]:
+        stats = self.kv.stats()
+        stats["num_running"] = sum(1 for r in self.running.values() if r.finish_reason is None)
+        stats["num_waiting"] = len(self.waiting)
+        return stats
