@@ -106,18 +106,9 @@ class LLM:
         params.validate()
         if not ids:
             raise ValueError("prompt is empty")
-        limit = self.runtime.max_seq_len
-        if len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
-                f"context length of {limit} tokens"
-            )
-        capacity = self.runtime.kv_capacity_tokens()
-        if len(ids) + params.max_tokens > capacity:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the KV cache "
-                f"capacity of {capacity} tokens"
-            )
+        reason = self.runtime.admission_error(len(ids), params.max_tokens)
+        if reason is not None:
+            raise ValueError(reason)
 
     def generate(
         self,

@@ -57,6 +57,7 @@ class KVManager:
             self.cache = RadixCache(page_size, self.allocators[0])
         self.pending: deque[_Pending] = deque()
         self.outstanding = [0] * len(groups)  # reserved but not yet allocated, over all requests
+        self.peak_used = [0] * len(groups)  # most pages held by live requests at once, per group
 
     # ---- admission -------------------------------------------------------------------------
     def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
@@ -76,6 +77,17 @@ class KVManager:
 
     def capacity(self, group: int) -> int:
         return self.groups[group].num_pages
+
+    def never_fits(self, prompt_len: int, total_tokens: int) -> str | None:
+        """Why a request of this size could never be admitted, or None if it can be."""
+        for g in self.groups:
+            need = self.budget(g.group_id, total_tokens, prompt_len)
+            if need > g.num_pages:
+                return (
+                    f"request needs {need} KV pages of {self.page_size} tokens at once, "
+                    f"but the pool holds {g.num_pages}"
+                )
+        return None
 
     def match_prefix(self, req: Request) -> None:
         """Reuse cached pages for the prompt's prefix, keeping at least one token to compute."""
@@ -124,6 +136,7 @@ class KVManager:
             req.pages[g].extend(self._alloc(g, need))
             req.reserved[g] -= need
             self.outstanding[g] -= need
+            self.peak_used[g] = max(self.peak_used[g], self._used(g))
 
     def _alloc(self, group: int, n: int) -> list[int]:
         allocator = self.allocators[group]
@@ -188,14 +201,17 @@ class KVManager:
                 self.outstanding[item.group] += len(item.pages)
 
     # ---- stats -------------------------------------------------------------------------------
+    def _used(self, group: int) -> int:
+        """Pages held by live requests: neither free, cached nor waiting for a deferred release."""
+        cached = self.cache.cached_pages if self.cache is not None and group == 0 else 0
+        pending = sum(len(item.pages) for item in self.pending if item.group == group)
+        return self.groups[group].num_pages - self.allocators[group].num_free - pending - cached
+
     def stats(self) -> dict[str, int | list[int]]:
         cached = self.cache.cached_pages if self.cache is not None else 0
         totals = [g.num_pages for g in self.groups]
-        free = [a.num_free for a in self.allocators]
-        pending = [0] * len(self.groups)
-        for item in self.pending:
-            pending[item.group] += len(item.pages)
-        used = [t - f - p - (cached if g == 0 else 0) for g, (t, f, p) in enumerate(zip(totals, free, pending))]
+        pending = [sum(len(i.pages) for i in self.pending if i.group == g) for g in range(len(totals))]
+        used = [self._used(g) for g in range(len(totals))]
         return {
             "kv_pages_total": sum(totals),
             "kv_pages_used": sum(used),
@@ -203,6 +219,8 @@ class KVManager:
             "kv_pages_pending": sum(pending),
             "kv_pages_total_per_group": totals,
             "kv_pages_used_per_group": used,
+            "kv_pages_peak_per_group": list(self.peak_used),
+            "kv_group_windows": [g.window or 0 for g in self.groups],
             "prefix_cache_hit_tokens": self.cache.hit_tokens if self.cache is not None else 0,
             "prefix_cache_query_tokens": self.cache.query_tokens if self.cache is not None else 0,
         }

@@ -106,12 +106,15 @@ class RankRuntime:
     def busy(self) -> bool:
         return self.scheduler.has_work or self._last is not None
 
-    def kv_capacity_tokens(self) -> int:
-        """Tokens one request may hold in the smallest full-attention pool (for admission checks)."""
-        kv = self.scheduler.kv
-        return min(g.num_pages for g in kv.groups if g.window is None) * kv.page_size if any(
-            g.window is None for g in kv.groups
-        ) else self.max_seq_len
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request could never run here (too long for the context or the KV pool), or None."""
+        if prompt_len + max_tokens > self.max_seq_len:
+            return (
+                f"prompt of {prompt_len} tokens plus max_tokens={max_tokens} exceeds the "
+                f"context length of {self.max_seq_len} tokens"
+            )
+        reason = self.scheduler.kv.never_fits(prompt_len, prompt_len + max_tokens)
+        return None if reason is None else f"prompt of {prompt_len} tokens plus max_tokens={max_tokens}: {reason}"
 
 
 def no_messages(blocking: bool) -> list[SchedulerMsg]:

@@ -71,6 +71,11 @@ class Scheduler:
     # ---- messages --------------------------------------------------------------------------
     def handle(self, msg: SchedulerMsg) -> None:
         if isinstance(msg, AddRequest):
+            total = min(len(msg.prompt_ids) + msg.sampling.max_tokens, self.config.max_seq_len)
+            if not msg.prompt_ids or self.kv.never_fits(len(msg.prompt_ids), total) is not None:
+                # The replica validates first; this only keeps a bad message from queueing forever.
+                self.results.emit_finish(msg.rid, "abort")
+                return
             seed = Request.derive_seed(self.config.seed, msg.rid, msg.sampling.seed)
             self.waiting[msg.rid] = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed)
         elif isinstance(msg, AbortRequest):

@@ -133,30 +133,52 @@ def _build_config(
     return _CONFIG_CLASSES[family](**kwargs)
 
 
+# Init scales (see `_reinit`), tuned with greedy runs of every family; figures are in tests/unit/test_tiny.py.
+_LINEAR_GAIN = 2.0  # linear weights ~ N(0, (gain / sqrt(fan_in))^2)
+_EMBED_STD = 0.1
+_GEMMA_EMBED_STD = 0.02  # Gemma multiplies embeddings by sqrt(hidden_size) = 8
+_BIAS_STD = 0.5
+_NORM_JITTER = 0.1  # relative spread of norm weights around their centre
+_QK_NORM_CENTRE = 2.0  # sharper attention for q/k-normed families (qwen3, gemma3); else they loop early
+_TARGET_LOGIT_STD = 2.5  # via the final norm: top-1 probability ~10-50%, so sampling is not uniform noise
+
+
 @torch.no_grad()
 def _reinit(model: PreTrainedModel, family: str, seed: int) -> None:
-    """Re-draw every weight from a private generator, in name order, at a scale that gives peaked logits.
+    """Re-draw every weight from a private generator, in name order, at scales that give peaked logits.
 
     A private generator keeps the weights independent of transformers' own init code (which changes
-    between versions). Scales: linear weights N(0, 1/fan_in) keep each residual branch O(1); embeddings
-    are small (0.1; 0.02 for Gemma, which multiplies them by sqrt(hidden)) so the layers dominate the
-    residual stream -- otherwise a tied-embedding model just predicts its input token back. Norm weights
-    are randomised around their identity value so a missing or mis-applied norm weight changes outputs.
+    between versions). Linear weights are large enough that every layer matters and generations vary;
+    embeddings are small so the layers dominate the residual stream (otherwise a tied-embedding model
+    just predicts its input token back). Norm weights are jittered around their centre so a missing or
+    mis-applied weight (Gemma stores w and applies 1 + w) changes outputs; the final norm's centre sets
+    the overall logit scale.
     """
     gen = torch.Generator().manual_seed(seed)
     offset_norm = family in _OFFSET_NORM_FAMILIES
-    embed_std = 0.02 if offset_norm else 0.1
+    embed_std = _GEMMA_EMBED_STD if offset_norm else _EMBED_STD
+    hidden = int(model.config.hidden_size)
+    final_centre = _TARGET_LOGIT_STD / (embed_std * math.sqrt(hidden))
+    found_final_norm = False
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if param.ndim >= 2 and ("embed" in name or "lm_head" in name):
             value = noise * embed_std
         elif param.ndim >= 2:
-            value = noise / math.sqrt(param.shape[-1])
+            value = noise * (_LINEAR_GAIN / math.sqrt(param.shape[-1]))
         elif name.endswith(".bias"):
-            value = noise * 0.1
+            value = noise * _BIAS_STD
         else:  # RMSNorm weight
-            value = noise * 0.1 + (0.0 if offset_norm else 1.0)
+            if name == "model.norm.weight":
+                centre, found_final_norm = final_centre, True
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                centre = _QK_NORM_CENTRE
+            else:
+                centre = 1.0
+            value = centre * (1.0 + _NORM_JITTER * noise) - (1.0 if offset_norm else 0.0)
         param.copy_(value.to(param.dtype))
+    if not found_final_norm:
+        raise RuntimeError(f"{type(model).__name__} has no model.norm.weight; the logit scale is unset")
 
 
 def make_tiny_model(

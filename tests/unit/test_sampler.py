@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from tandem.engine import sampler as sampler_module
 from tandem.engine.batch import SamplingBatch
-from tandem.engine.sampler import Sampler, _mix32_, apply_penalties, log_exponential_noise
+from tandem.engine.sampler import (
+    Sampler,
+    _log_exponential_,
+    _mix32_,
+    apply_penalties,
+    log_exponential_noise,
+)
 
 
 def make_batch(n: int, **kw: Any) -> SamplingBatch:
@@ -47,7 +53,9 @@ def concat(batches: list[SamplingBatch]) -> SamplingBatch:
     return SamplingBatch(**{n: torch.cat([getattr(b, n) for b in batches]) for n in names})
 
 
-def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+def reference_probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray:
     """The filtered, renormalised distribution, computed independently in float64 (HF order)."""
     scaled = logits.double().numpy() / temperature
     probs = np.exp(scaled - scaled.max())
@@ -89,7 +97,9 @@ def test_empirical_distribution_matches_filtered_reference(
     sampler = Sampler(20)
     # Half the draws vary the seed, half vary the step of one seed: both must be good noise sources.
     for seeds, steps in [(torch.arange(n) * 7919 + 3, 0), (424242, torch.arange(n))]:
-        batch = make_batch(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps)
+        batch = make_batch(
+            n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps
+        )
         tokens = sampler(LOGITS.expand(n, 20), batch).next_tokens
         freq = torch.bincount(tokens, minlength=20).double().numpy() / n
         assert (freq[expected == 0] == 0).all(), "a filtered-out token was drawn"
@@ -124,6 +134,16 @@ def test_mix32_matches_lowbias32_reference() -> None:
     assert got == [lowbias32(v) for v in values]
 
 
+def test_extreme_hashes_give_finite_exponential_noise() -> None:
+    bits = torch.tensor([0, 1, 255, 256, 2**31, 2**32 - 256, 2**32 - 1], dtype=torch.int64)
+    log_e = _log_exponential_(bits.clone())
+    assert torch.isfinite(log_e).all()
+    assert (log_e[:-1] >= log_e[1:]).all(), "E = -log(u) falls as the hash (u) grows"
+    # Over a uniform sweep of hashes E has mean 1, as Exp(1) must.
+    sweep = torch.arange(0, 2**32, 2**12 + 1, dtype=torch.int64)
+    assert _log_exponential_(sweep).exp().mean().item() == pytest.approx(1.0, abs=1e-3)
+
+
 def test_noise_is_a_pure_function_of_seed_step_and_index() -> None:
     seeds = torch.tensor([5, -1, 2**63 - 1, -(2**63), 5 + 2**40])
     steps = torch.tensor([3, 3, 0, 0, 3])
@@ -137,7 +157,9 @@ def test_noise_is_a_pure_function_of_seed_step_and_index() -> None:
     assert not torch.equal(noise[0], noise[4])
 
 
-def _draw_sequence(logits: torch.Tensor, row: SamplingBatch, companions: list[SamplingBatch], at: int) -> list[int]:
+def _draw_sequence(
+    logits: torch.Tensor, row: SamplingBatch, companions: list[SamplingBatch], at: int
+) -> list[int]:
     """Tokens of `row` over 25 steps, placed at position `at` among `companions`."""
     sampler = Sampler(logits.shape[-1])
     out = []
@@ -164,7 +186,9 @@ def test_seeded_row_draws_the_same_in_any_batch(params: dict[str, Any]) -> None:
     row = make_batch(1, seeds=123456789, **params)
 
     def companion(i: int) -> SamplingBatch:
-        return make_batch(1, seeds=i, temperature=0.3 + 0.2 * i, top_p=0.5 + 0.05 * i, top_k=i * 3, min_p=0.01 * i)
+        return make_batch(
+            1, seeds=i, temperature=0.3 + 0.2 * i, top_p=0.5 + 0.05 * i, top_k=i * 3, min_p=0.01 * i
+        )
 
     alone = _draw_sequence(logits, row, [], 0)
     assert len(set(alone)) > 3, "draws should vary with the step"
@@ -190,7 +214,9 @@ def test_different_seeds_draw_differently() -> None:
     n = 64
     logits = torch.zeros(2 * n, 1000)
     seeds = torch.tensor([11] * n + [12] * n)
-    tokens = Sampler(1000)(logits, make_batch(2 * n, seeds=seeds, steps=torch.arange(n).repeat(2))).next_tokens
+    tokens = Sampler(1000)(
+        logits, make_batch(2 * n, seeds=seeds, steps=torch.arange(n).repeat(2))
+    ).next_tokens
     # Uniform over 1000 tokens: independent sequences agree at ~0.06 of 64 positions.
     assert int((tokens[:n] == tokens[n:]).sum()) <= 3
     assert len(set(tokens[:n].tolist())) > 55
@@ -203,7 +229,9 @@ def test_greedy_is_argmax_with_lowest_index_on_ties() -> None:
         batch = make_batch(3, temperature=0.0, seeds=[1, 2, 3], all_greedy=all_greedy)
         assert Sampler(4)(logits, batch).next_tokens.tolist() == expected
     # Greedy rows ignore seeds and filters, and sit happily next to sampled rows.
-    mixed = make_batch(3, temperature=[0.0, 1.0, 0.0], top_k=[2, 0, 1], top_p=[0.5, 1.0, 1.0], seeds=[7, 8, 9])
+    mixed = make_batch(
+        3, temperature=[0.0, 1.0, 0.0], top_k=[2, 0, 1], top_p=[0.5, 1.0, 1.0], seeds=[7, 8, 9]
+    )
     tokens = Sampler(4)(logits, mixed).next_tokens.tolist()
     assert tokens[0] == 1 and tokens[2] == 2
 
@@ -230,7 +258,9 @@ def test_repetition_penalty_covers_prompt_and_output() -> None:
 
 
 def test_presence_and_frequency_cover_output_only_and_ignore_padding() -> None:
-    out = apply_penalties(LOGITS_6, _penalty_batch(presence_penalty=[0.5, 1.0], frequency_penalty=[0.25, 0.5]))
+    out = apply_penalties(
+        LOGITS_6, _penalty_batch(presence_penalty=[0.5, 1.0], frequency_penalty=[0.25, 0.5])
+    )
     # Row 0: token 3 seen twice in output, token 1 once; token 0 only in the prompt.
     assert out[0].tolist() == pytest.approx([2.0, -1.75, 0.5, 2.0, -2.0, 1.0])
     # Row 1: token 5 once in output; token 2 prompt only; -1 padding hits neither token 0 nor token 5.
@@ -261,7 +291,9 @@ def test_logprobs_are_raw_and_top_n_sorted() -> None:
         presence_penalty=1.0,
         num_logprobs=3,
     )
+    before = logits.clone()
     result = Sampler(6)(logits, batch)
+    assert torch.equal(logits, before), "the caller's logits must not be modified"
     raw = torch.log_softmax(logits, dim=-1)
     assert result.logprobs is not None and result.top_ids is not None and result.top_logprobs is not None
     assert torch.allclose(result.logprobs, raw.gather(1, result.next_tokens[:, None]).squeeze(1))
