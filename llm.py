@@ -11,7 +11,9 @@ from tqdm import tqdm
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.detokenizer import IncrementalDetokenizer
-from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.replicas.llm_replica import to_spec
+from tandem.replicas.local_group import RemoteGroup
+from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
 
@@ -24,23 +26,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-
-
-def to_spec(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        seed=params.seed,
-        stop_token_ids=tuple(params.stop_token_ids or ()),
-        ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-    )
 
 
 class LLM:
@@ -64,8 +49,6 @@ class LLM:
     ) -> None:
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-        if tp_size > 1:
-            raise NotImplementedError("tp_size > 1 needs the Ray rank actors (tandem.replicas)")
         from transformers import AutoTokenizer
 
         self.model_dir = resolve_model_dir(model)
@@ -84,8 +67,14 @@ class LLM:
         )
         self._inbox: deque[SchedulerMsg] = deque()
         self._outputs: list[TokenOutput] = []
-        self.runtime = RankRuntime(self.model_dir, options, TPGroup(), self._outputs.extend)
-        self.vocab_size = self.runtime.engine.model_config.vocab_size
+        self._remote: RemoteGroup | None = None
+        if tp_size > 1:
+            self._remote = RemoteGroup(str(self.model_dir), tp_size, options)
+            self.limits = self._remote.limits
+        else:
+            self.runtime = RankRuntime(self.model_dir, options, TPGroup(), self._outputs.extend)
+            self.limits = self.runtime.limits()
+        self.vocab_size = self.limits.vocab_size
         self._next_rid = 0
 
     def _receive(self, blocking: bool) -> list[SchedulerMsg]:
@@ -106,7 +95,7 @@ class LLM:
         params.validate()
         if not ids:
             raise ValueError("prompt is empty")
-        reason = self.runtime.admission_error(len(ids), params.max_tokens)
+        reason = self.limits.admission_error(len(ids), params.max_tokens)
         if reason is not None:
             raise ValueError(reason)
 
@@ -128,6 +117,8 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
             self._check(i, p)  # everything is validated before anything is admitted
+        if self._remote is not None:
+            return self._remote.generate(ids, params, use_tqdm)
         return self._run(ids, params, use_tqdm)
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -174,11 +165,16 @@ class LLM:
                 detok.flush()
                 res.text = detok.text
             else:
-                res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+                res.text = str(self.tokenizer.decode(res.token_ids, skip_special_tokens=True))
         return list(results.values())
 
     def stats(self) -> dict[str, Any]:
+        if self._remote is not None:
+            return self._remote.stats()
         return dict(self.runtime.scheduler.stats())
 
     def shutdown(self) -> None:
         self._inbox.clear()
+        if self._remote is not None:
+            self._remote.shutdown()
+            self._remote = None

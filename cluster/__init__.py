@@ -1,0 +1,1 @@
+"""Ray bootstrap, placement groups and the torch.distributed rendezvous of a TP group."""

@@ -56,7 +56,7 @@ class ModelConfig:
     @property
     def attn_scale(self) -> float:
         if self.query_pre_attn_scalar is not None:
-            return float(self.query_pre_attn_scalar) ** -0.5
+            return 1.0 / math.sqrt(self.query_pre_attn_scalar)
         return 1.0 / math.sqrt(self.head_dim)
 
     def window_of(self, layer: int) -> int | None:
@@ -180,8 +180,9 @@ def _rope_configs(raw: dict[str, Any], model_type: str) -> tuple[RopeConfig, Rop
     theta = float(raw.get("rope_theta", 10000.0))
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and (FULL in params or SLIDING in params):
-        full = _rope_from(params.get(FULL, {}), theta)
-        local = _rope_from(params.get(SLIDING, params.get(FULL, {})), theta)
+        full_params: dict[str, Any] = params.get(FULL) or {}
+        full = _rope_from(full_params, theta)
+        local = _rope_from(params.get(SLIDING) or full_params, theta)
         return full, local
     if isinstance(params, dict):
         full = _rope_from(params, theta)

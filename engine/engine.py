@@ -14,7 +14,7 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
-from tandem.engine.sampler import SampleResult, Sampler
+from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
 
@@ -42,7 +42,7 @@ class Engine:
         load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
-        local_kv = self.model.model.layers[0].self_attn.spec.num_kv_heads
+        local_kv = self.model.local_kv_heads
         self.pool = KVPool(
             self.groups, config.page_size, local_kv, mc.head_dim, dtype=config.dtype, device=config.device
         )

@@ -32,9 +32,7 @@ def plan_groups(config: ModelConfig, num_pages: int, window_pages: int | None = 
     if full:
         groups.append(KVGroupSpec(len(groups), full, None, num_pages))
     if windowed:
-        groups.append(
-            KVGroupSpec(len(groups), windowed, config.sliding_window, window_pages or num_pages)
-        )
+        groups.append(KVGroupSpec(len(groups), windowed, config.sliding_window, window_pages or num_pages))
     return groups
 
 

@@ -9,19 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
-
-
-class Event(Protocol):
-    def record(self, stream: Stream | None = None) -> None: ...
-    def synchronize(self) -> None: ...
-    def query(self) -> bool: ...
-
-
-class Stream(Protocol):
-    def wait_stream(self, other: Stream) -> None: ...
 
 
 class HostEvent:
@@ -48,6 +37,10 @@ class HostStream:
 
     def __repr__(self) -> str:
         return f"HostStream({self.name})"
+
+
+Stream = torch.cuda.Stream | HostStream
+Event = torch.cuda.Event | HostEvent
 
 
 class StreamSet:
@@ -87,6 +80,11 @@ class StreamSet:
             yield
         finally:
             self._host_current = previous
+
+    def wait(self, stream: Stream, on: Stream) -> None:
+        """Make later work on `stream` wait for work already queued on `on`."""
+        if isinstance(stream, torch.cuda.Stream) and isinstance(on, torch.cuda.Stream):
+            stream.wait_stream(on)
 
     def new_event(self) -> Event:
         if self.is_cuda:

@@ -93,7 +93,9 @@ class BatchBuilder:
         ps = self.kv.page_size
         width = max(-(-n // ps) for n in seq)
         table = self.table.page_tables[g].index_select(0, slots)[:, :width].contiguous()
-        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([r.length for r in rows]))
+        row_of_token = torch.repeat_interleave(
+            torch.arange(len(rows)), torch.tensor([r.length for r in rows])
+        )
         pages = table[row_of_token, pos // ps].to(torch.int64)
         loc = pages * ps + pos % ps
         kv_start = torch.tensor([self.kv.kv_start(r.req, g) for r in rows], dtype=torch.int32)

@@ -37,6 +37,44 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def page_budget(
+    window: int | None, page_size: int, chunk_size: int, total_tokens: int, prompt_len: int
+) -> int:
+    """Most pages a request of `total_tokens` can hold at once in a group (pending release included)."""
+    full = _ceil_div(total_tokens, page_size)
+    if window is None:
+        return full
+    # Live keys span (p0 - window, p0 + ext); the previous step's evicted pages may still be pending,
+    # so allow one more step's worth of tokens.
+    step = min(chunk_size, prompt_len)
+    return min(full, _ceil_div(window - 1 + 2 * step, page_size) + 1)
+
+
+def admission_error(
+    groups: list[GroupInfo],
+    page_size: int,
+    chunk_size: int,
+    max_seq_len: int,
+    prompt_len: int,
+    max_tokens: int,
+) -> str | None:
+    """Why a request could never run (too long for the context or the KV pool), or None if it can."""
+    if prompt_len + max_tokens > max_seq_len:
+        return (
+            f"prompt of {prompt_len} tokens plus max_tokens={max_tokens} exceeds the "
+            f"context length of {max_seq_len} tokens"
+        )
+    total = prompt_len + max_tokens
+    for g in groups:
+        need = page_budget(g.window, page_size, chunk_size, total, prompt_len)
+        if need > g.num_pages:
+            return (
+                f"prompt of {prompt_len} tokens plus max_tokens={max_tokens} needs {need} KV pages of "
+                f"{page_size} tokens at once, but the pool holds {g.num_pages}"
+            )
+    return None
+
+
 class KVManager:
     """Owns one page allocator per KV group, plus the radix cache when prefix caching applies.
 
@@ -61,15 +99,9 @@ class KVManager:
 
     # ---- admission -------------------------------------------------------------------------
     def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
-        """Most pages a request of `total_tokens` can hold at once in `group` (pending included)."""
-        full = _ceil_div(total_tokens, self.page_size)
-        window = self.groups[group].window
-        if window is None:
-            return full
-        # Live keys span (p0 - window, p0 + ext); the previous step's evicted pages may still be
-        # pending, so allow one more step's worth of tokens.
-        step = min(self.chunk_size, prompt_len)
-        return min(full, _ceil_div(window - 1 + 2 * step, self.page_size) + 1)
+        return page_budget(
+            self.groups[group].window, self.page_size, self.chunk_size, total_tokens, prompt_len
+        )
 
     def available(self, group: int) -> int:
         evictable = self.cache.evictable_pages if self.cache is not None and group == 0 else 0
@@ -80,14 +112,9 @@ class KVManager:
 
     def never_fits(self, prompt_len: int, total_tokens: int) -> str | None:
         """Why a request of this size could never be admitted, or None if it can be."""
-        for g in self.groups:
-            need = self.budget(g.group_id, total_tokens, prompt_len)
-            if need > g.num_pages:
-                return (
-                    f"request needs {need} KV pages of {self.page_size} tokens at once, "
-                    f"but the pool holds {g.num_pages}"
-                )
-        return None
+        return admission_error(
+            self.groups, self.page_size, self.chunk_size, 1 << 62, prompt_len, total_tokens - prompt_len
+        )
 
     def match_prefix(self, req: Request) -> None:
         """Reuse cached pages for the prompt's prefix, keeping at least one token to compute."""

@@ -37,7 +37,10 @@ class ResultProcessor:
             spec = req.sampling
             if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos):
                 req.finish_reason = "stop"
-            elif len(req.output_ids) >= spec.max_tokens or req.prompt_len + len(req.output_ids) >= self.max_seq_len:
+            elif (
+                len(req.output_ids) >= spec.max_tokens
+                or req.prompt_len + len(req.output_ids) >= self.max_seq_len
+            ):
                 req.finish_reason = "length"
             logprob = top = None
             if spec.logprobs is not None and logprobs is not None:

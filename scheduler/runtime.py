@@ -16,7 +16,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.kv_manager import GroupInfo, KVManager
+from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
 from tandem.scheduler.messages import SchedulerMsg, TokenOutput
 from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
 
@@ -47,6 +47,22 @@ class RuntimeOptions:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """What a front end needs to validate requests before they reach a rank."""
+
+    groups: list[GroupInfo]
+    page_size: int
+    chunk_size: int
+    max_seq_len: int
+    vocab_size: int
+
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        return admission_error(
+            self.groups, self.page_size, self.chunk_size, self.max_seq_len, prompt_len, max_tokens
+        )
+
+
 class RankRuntime:
     """Engine + scheduler of one rank, with the streams they share."""
 
@@ -72,7 +88,9 @@ class RankRuntime:
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)
         mc = self.engine.model_config
-        self.max_seq_len = min(mc.max_position_embeddings, options.max_model_len or mc.max_position_embeddings)
+        self.max_seq_len = min(
+            mc.max_position_embeddings, options.max_model_len or mc.max_position_embeddings
+        )
         on_gpu = config.device.type == "cuda"
         chunk = options.chunk_size or 8192
         kv = KVManager(
@@ -106,15 +124,15 @@ class RankRuntime:
     def busy(self) -> bool:
         return self.scheduler.has_work or self._last is not None
 
-    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why a request could never run here (too long for the context or the KV pool), or None."""
-        if prompt_len + max_tokens > self.max_seq_len:
-            return (
-                f"prompt of {prompt_len} tokens plus max_tokens={max_tokens} exceeds the "
-                f"context length of {self.max_seq_len} tokens"
-            )
-        reason = self.scheduler.kv.never_fits(prompt_len, prompt_len + max_tokens)
-        return None if reason is None else f"prompt of {prompt_len} tokens plus max_tokens={max_tokens}: {reason}"
+    def limits(self) -> RuntimeLimits:
+        kv = self.scheduler.kv
+        return RuntimeLimits(
+            groups=list(kv.groups),
+            page_size=kv.page_size,
+            chunk_size=kv.chunk_size,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.engine.model_config.vocab_size,
+        )
 
 
 def no_messages(blocking: bool) -> list[SchedulerMsg]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -22,11 +23,10 @@ from tandem.scheduler.results import ResultProcessor
 from tandem.scheduler.table import RequestTable
 
 
-class EngineLike:
-    """What the scheduler needs of the engine (a Protocol in spirit; typed loosely for tests)."""
+class EngineLike(Protocol):
+    """What the scheduler needs of the engine."""
 
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        raise NotImplementedError
+    def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
 
 
 @dataclass
@@ -167,7 +167,9 @@ class Scheduler:
         for batch_id, used in self.inflight_pages.items():
             for page in pages:
                 if (group, page) in used:
-                    raise AssertionError(f"page {page} of group {group} reused while batch {batch_id} may read it")
+                    raise AssertionError(
+                        f"page {page} of group {group} reused while batch {batch_id} may read it"
+                    )
 
     # ---- launch and results ----------------------------------------------------------------
     def _launch(self, prepared: PreparedBatch) -> InFlight:
@@ -231,7 +233,7 @@ class Scheduler:
         ongoing = None
         if prepared is not None:
             with self.streams.use(self.streams.engine):
-                self.streams.engine.wait_stream(self.streams.scheduler)
+                self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
                 ongoing = self._launch(prepared)
         if last is not None:

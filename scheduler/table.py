@@ -21,9 +21,7 @@ class RequestTable:
         self.device = device
         self.token_pool = torch.zeros(max_running * max_seq_len + 1, dtype=torch.int64, device=device)
         max_pages = -(-max_seq_len // page_size)
-        self.page_tables = [
-            torch.zeros(max_running, max_pages, dtype=torch.int32) for _ in range(num_groups)
-        ]
+        self.page_tables = [torch.zeros(max_running, max_pages, dtype=torch.int32) for _ in range(num_groups)]
         self._free = list(range(max_running - 1, -1, -1))
 
     @property
@@ -48,6 +46,4 @@ class RequestTable:
 
     def set_pages(self, group: int, slot: int, first: int, pages: list[int]) -> None:
         if pages:
-            self.page_tables[group][slot, first : first + len(pages)] = torch.tensor(
-                pages, dtype=torch.int32
-            )
+            self.page_tables[group][slot, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)

@@ -60,9 +60,7 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local = sum(s.size for s in self.shards)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device), False)
-        self.bias = (
-            nn.Parameter(torch.empty(local, dtype=dtype, device=device), False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device), False) if bias else None
 
     @property
     def output_sizes(self) -> list[int]:
@@ -100,13 +98,9 @@ class RowParallelLinear(nn.Module):
         self.out_features = out_features
         self.in_start, self.in_size = tp.shard(in_features)
         self.in_features = in_features
-        self.weight = nn.Parameter(
-            torch.empty(out_features, self.in_size, dtype=dtype, device=device), False
-        )
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_size, dtype=dtype, device=device), False)
         self.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False)
-            if bias
-            else None
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         )
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:

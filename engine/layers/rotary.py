@@ -40,7 +40,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq: torch.Tensor = self.inv_freq
+        inv_freq = self.get_buffer("inv_freq")
         freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().unsqueeze(1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,8 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(positions, self.input_layernorm(x), ctx)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + mlp_out  # type: ignore[no-any-return]
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
@@ -183,6 +184,12 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
 
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank holds (the KV pool's width)."""
+        first = cast(DecoderLayer, self.model.layers[0])
+        return first.self_attn.spec.num_kv_heads
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]
 
@@ -204,5 +211,5 @@ class CausalLM(nn.Module):
                 targets = MERGED.get(leaf, (leaf,))
                 for shard_id, hf_leaf in enumerate(targets):
                     key = f"{parent}.{hf_leaf}.{pname}" if parent else f"{hf_leaf}.{pname}"
-                    table[key] = (module, shard_id, pname == "bias")  # type: ignore[assignment]
+                    table[key] = (cast(Loadable, module), shard_id, pname == "bias")
         return table

@@ -133,14 +133,17 @@ def _build_config(
     return _CONFIG_CLASSES[family](**kwargs)
 
 
-# Init scales (see `_reinit`), tuned with greedy runs of every family; figures are in tests/unit/test_tiny.py.
+# Init scales (see `_reinit`), tuned by greedy-decoding 12 prompts x 32 steps per family in float32/eager:
+# top-1 vs top-2 logit gap, relative to |top-1|, is < 1e-3 on 0.5-1% of steps (median ~0.07, never
+# < 2e-5 seen), 25-30 distinct tokens per 32-token generation, median top-1 probability ~0.2; HF eager and
+# sdpa produce identical 64-token greedy outputs for all 12 prompts (max logit diff ~1e-4).
 _LINEAR_GAIN = 2.0  # linear weights ~ N(0, (gain / sqrt(fan_in))^2)
 _EMBED_STD = 0.1
 _GEMMA_EMBED_STD = 0.02  # Gemma multiplies embeddings by sqrt(hidden_size) = 8
 _BIAS_STD = 0.5
 _NORM_JITTER = 0.1  # relative spread of norm weights around their centre
 _QK_NORM_CENTRE = 2.0  # sharper attention for q/k-normed families (qwen3, gemma3); else they loop early
-_TARGET_LOGIT_STD = 2.5  # via the final norm: top-1 probability ~10-50%, so sampling is not uniform noise
+_TARGET_LOGIT_STD = 2.5  # set via the final norm, so sampling is not near-uniform noise
 
 
 @torch.no_grad()
@@ -191,8 +194,13 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tiny_tokenizer()
     config = _build_config(family, tokenizer, config_overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.float32)
+    # Seeded for the spec, but forked so the caller's global RNG stream is left untouched; the weights that
+    # matter come from `_reinit`'s private generator anyway.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager"
+        ).to(torch.float32)
     _reinit(model, family, seed)
     ids = special_token_ids(tokenizer)
     model.generation_config = GenerationConfig(
@@ -211,7 +219,8 @@ def _default_cache_dir() -> Path:
 
 
 def _is_complete(model_dir: Path) -> bool:
-    return all((model_dir / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    names = ("config.json", "model.safetensors", "tokenizer.json")
+    return all((model_dir / name).is_file() for name in names)
 
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:
@@ -229,6 +238,10 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         make_tiny_model(tmp, DEFAULT_MODEL_FAMILY, seed=0)
+        # mkdtemp makes 0700 and transformers writes the weights 0600; a shared cache must be readable.
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        tmp.chmod(0o755)
         if target.exists() and not _is_complete(target):
             # Not ours (our renames are atomic): e.g. an empty dir someone created. Replace it.
             shutil.rmtree(target, ignore_errors=True)

@@ -38,7 +38,7 @@ def test_invalid_parameter_names_the_field(llm: LLM, field: str, value: Any) -> 
 
 
 def test_too_long_prompt_is_rejected_before_anything_runs(llm: LLM) -> None:
-    limit = llm.runtime.max_seq_len
+    limit = llm.limits.max_seq_len
     ok = [1, 2, 3]
     with pytest.raises(ValueError, match="context length"):
         llm.generate([ok, [5] * (limit - 4)], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -57,7 +57,9 @@ def test_bad_prompts(llm: LLM) -> None:
 
 def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
     prompt = [[7, 8, 9, 10]]
-    free = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    free = llm.generate(
+        prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 20
     stop_at = free.token_ids[5]
     first = free.token_ids.index(stop_at)
@@ -72,7 +74,9 @@ def test_stop_string_truncates_text(llm: LLM) -> None:
     free = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]
     assert len(free.text) > 6
     stop = free.text[3:6]  # very likely spans token boundaries
-    out = llm.generate(["The quick brown fox"], SamplingParams(**{**sp.__dict__, "stop": [stop]}), use_tqdm=False)[0]
+    out = llm.generate(
+        ["The quick brown fox"], SamplingParams(**{**sp.__dict__, "stop": [stop]}), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.index(stop)]
     assert stop not in out.text
@@ -84,14 +88,20 @@ def test_seeded_sampling_is_batch_invariant(llm: LLM) -> None:
     sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
     alone = llm.generate([target], sp, use_tqdm=False)[0].token_ids
     others = [[20 + i, 30 + i, 40] for i in range(5)]
-    mixed = llm.generate(others[:2] + [target] + others[2:], [SamplingParams(max_tokens=9, temperature=0.7)] * 2 + [sp] + [SamplingParams(max_tokens=5)] * 3, use_tqdm=False)
+    mixed = llm.generate(
+        others[:2] + [target] + others[2:],
+        [SamplingParams(max_tokens=9, temperature=0.7)] * 2 + [sp] + [SamplingParams(max_tokens=5)] * 3,
+        use_tqdm=False,
+    )
     assert mixed[2].token_ids == alone
     other_seed = llm.generate([target], SamplingParams(**{**sp.__dict__, "seed": 99}), use_tqdm=False)[0]
     assert other_seed.token_ids != alone
 
 
 def test_logprobs(llm: LLM) -> None:
-    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False)[0]
+    out = llm.generate(
+        [[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False
+    )[0]
     assert len(out.logprobs) == 4 and len(out.top_logprobs) == 4
     for token, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
         assert len(top) == 3

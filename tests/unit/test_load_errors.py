@@ -33,12 +33,14 @@ def test_unknown_architecture_lists_supported(tiny_model_dir, tmp_path: Path) ->
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["FancyNewForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"FancyNewForCausalLM.*supported:.*Qwen3ForCausalLM.*Gemma3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"FancyNewForCausalLM.*supported:.*Qwen3ForCausalLM.*Gemma3ForCausalLM"
+    ):
         build(d)
 
 
 def test_missing_config_and_weights(tiny_model_dir, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ModelConfig.from_dir(tmp_path)
     d = copy_model(tiny_model_dir("qwen3"), tmp_path / "m")
     for f in d.glob("*.safetensors"):

@@ -62,7 +62,15 @@ def prefill_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     group = AttentionGroupBatch(table, zero, loc, zero, table)
     lens = torch.tensor([n], dtype=torch.int32)
     batch = ForwardBatch(
-        torch.tensor(prompt), pos, lens, lens, lens, lens, (group,) * len(engine.groups), greedy_sampling(1), False
+        torch.tensor(prompt),
+        pos,
+        lens,
+        lens,
+        lens,
+        lens,
+        (group,) * len(engine.groups),
+        greedy_sampling(1),
+        False,
     )
     engine.attention.plan(batch)
     from tandem.engine.models.common import ForwardContext

@@ -54,7 +54,9 @@ def test_window_pages_stay_bounded(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("gemma3")), device="cpu", page_size=4, chunk_size=16)
     prompt = random_prompts(1, (20, 20), llm.vocab_size, 4)[0]
     window = 32
-    out = llm.generate([prompt], SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=4 * window, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].token_ids) == 4 * window
     stats = llm.stats()
     full_group, window_group = stats["kv_group_windows"].index(0), stats["kv_group_windows"].index(window)
@@ -82,8 +84,14 @@ def lifo_pages(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _tight_window_run(model_dir: str, overlap: bool) -> list[list[int]]:
     llm = LLM(
-        model_dir, device="cpu", page_size=2, num_pages=48, chunk_size=16, max_running=4,
-        overlap=overlap, guard_inflight_pages=True,
+        model_dir,
+        device="cpu",
+        page_size=2,
+        num_pages=48,
+        chunk_size=16,
+        max_running=4,
+        overlap=overlap,
+        guard_inflight_pages=True,
     )
     prompts = random_prompts(10, (10, 40), llm.vocab_size, 6)
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

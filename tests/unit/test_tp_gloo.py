@@ -23,12 +23,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_rank(model_dir: str, rank: int, size: int, port: int, requests: list[AddRequest]) -> dict[int, list[int]]:
+def run_rank(
+    model_dir: str, rank: int, size: int, port: int, requests: list[AddRequest]
+) -> dict[int, list[int]]:
     tp = TPGroup()
     if size > 1:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
-        )
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         tp = TPGroup(rank, size, dist.group.WORLD)
     outputs: list[TokenOutput] = []
     runtime = RankRuntime(Path(model_dir), RuntimeOptions(device="cpu"), tp, outputs.extend)

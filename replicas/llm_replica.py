@@ -1,0 +1,240 @@
+"""LLMReplica: one model copy over a TP group of rank actors, usable with or without Ray Serve.
+
+It tokenizes nothing itself: callers hand it prompt token ids (the Serve deployment in `deploy/` does
+the templating). It validates each request against the model's limits before anything reaches a rank,
+forwards it to rank 0 over the data channel, and turns rank 0's token batches into per-request
+`GenerationChunk`s, detokenized incrementally with stop strings applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from typing import Any
+
+from tandem.cluster import placement
+from tandem.cluster.rendezvous import node_ip
+from tandem.engine.hub import resolve_model_dir
+from tandem.replicas.channel import ReplicaChannel
+from tandem.replicas.chunks import GenerationChunk
+from tandem.replicas.detokenizer import IncrementalDetokenizer
+from tandem.replicas.rank_group import RankGroup
+from tandem.replicas.request_stream import RequestStream
+from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, TokenOutput
+from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
+from tandem.scheduler.sampling_params import SamplingParams
+
+HEALTH_PERIOD_S = 1.0
+
+
+def to_spec(params: SamplingParams) -> SamplingSpec:
+    names = {f.name for f in fields(SamplingParams)} - {"stop"}
+    values = {n: getattr(params, n) for n in names}
+    values["stop_token_ids"] = tuple(params.stop_token_ids or ())
+    return SamplingSpec(**values)
+
+
+class LLMReplica:
+    def __init__(
+        self,
+        model: str | None,
+        *,
+        tp_size: int = 1,
+        device: str = "auto",
+        engine: dict[str, Any] | None = None,
+        placement_strategy: str = "STRICT_PACK",
+        cpus_per_rank: float = 1.0,
+        max_heartbeat_age_s: float = 60.0,
+    ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.model = model
+        self.tp_size = tp_size
+        self.options = RuntimeOptions(device=device, **(engine or {}))
+        self.options.validate()
+        self.placement_strategy = placement_strategy
+        self.cpus_per_rank = cpus_per_rank
+        self.max_heartbeat_age_s = max_heartbeat_age_s
+        self.tokenizer: Any = None
+        self.limits: RuntimeLimits | None = None
+        self._group: RankGroup | None = None
+        self._channel: ReplicaChannel | None = None
+        self._streams: dict[int, RequestStream] = {}
+        self._rids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._problems: list[str] = []
+        self._draining = False
+        self._start_lock = asyncio.Lock()
+
+    @staticmethod
+    def placement_bundles(
+        tp_size: int, device: str, cpus_per_rank: float = 1.0, replica_cpus: float = 1.0
+    ) -> list[dict[str, float]]:
+        """The Serve `placement_group_bundles` of one replica (its own CPUs merged into bundle 0)."""
+        return placement.rank_bundles(
+            tp_size, use_gpu=device.startswith("cuda"), cpus_per_rank=cpus_per_rank, replica_cpus=replica_cpus
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.limits is not None, "call start() first"
+        return self.limits.max_seq_len
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self.limits is not None:
+                return
+            await asyncio.to_thread(self._start_blocking)
+            self._tasks = [
+                asyncio.create_task(self._receive_loop()),
+                asyncio.create_task(self._health_loop()),
+            ]
+
+    def _start_blocking(self) -> None:
+        from transformers import AutoTokenizer
+
+        from tandem.engine.tiny import default_model_dir
+
+        model_dir = resolve_model_dir(self.model) if self.model else default_model_dir()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        use_gpu = self._uses_gpu()
+        self._channel = ReplicaChannel(node_ip())
+        self._group = RankGroup(
+            self.tp_size, use_gpu=use_gpu, cpus_per_rank=self.cpus_per_rank, strategy=self.placement_strategy
+        )
+        try:
+            self.limits = self._group.start(str(model_dir), self.options, self._channel.address)
+        except BaseException:
+            self._group.stop()
+            raise
+
+    def _uses_gpu(self) -> bool:
+        if self.options.device == "auto":
+            import torch
+
+            return bool(torch.cuda.is_available())
+        return self.options.device.startswith("cuda")
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Admit nothing new, let running requests finish up to the timeout, then stop the ranks."""
+        self._draining = True
+        deadline = asyncio.get_running_loop().time() + drain_timeout_s
+        while self._streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self._fail_all("the replica is shutting down")
+        for task in self._tasks:
+            task.cancel()
+        if self._group is not None:
+            await asyncio.to_thread(self._group.stop)
+        if self._channel is not None:
+            self._channel.close()
+        self._group = self._channel = None
+
+    # ---- requests ----------------------------------------------------------------------------
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        assert self.limits is not None, "call start() first"
+        return self.limits.admission_error(prompt_len, max_tokens)
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError for anything a rank must never see."""
+        assert self.limits is not None, "call start() first"
+        sampling.validate()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.limits.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        reason = self.admission_error(len(prompt_token_ids), sampling.max_tokens)
+        if reason is not None:
+            raise ValueError(reason)
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        await self.start()
+        self.validate(prompt_token_ids, sampling)
+        if self._draining:
+            raise RuntimeError("the replica is shutting down and admits no new requests")
+        if self._problems:
+            raise RuntimeError(f"the replica is unhealthy: {'; '.join(self._problems)}")
+        assert self._channel is not None
+        rid = next(self._rids)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling.stop_strings)
+        stream = RequestStream(request_id or f"req-{rid}", rid, len(prompt_token_ids), sampling, detok)
+        self._streams[rid] = stream
+        finished = False
+        try:
+            await self._channel.send(AddRequest(rid, prompt_token_ids, to_spec(sampling)))
+            while True:
+                chunk = await stream.next_chunk()
+                finished = chunk.finish_reason is not None
+                if finished and chunk.finish_reason == "stop" and not stream.scheduler_done:
+                    await self._channel.send(AbortRequest(rid))  # a stop string ended it replica-side
+                yield chunk
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self._channel is not None:
+                # The consumer went away (client disconnect or cancel): free the request's KV.
+                with contextlib.suppress(Exception):
+                    await self._channel.send(AbortRequest(rid))
+
+    async def abort(self, request_id: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            if stream.request_id == request_id and self._channel is not None:
+                await self._channel.send(AbortRequest(rid))
+
+    # ---- background tasks --------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        assert self._channel is not None
+        while True:
+            outputs: list[TokenOutput] = await self._channel.recv()
+            for out in outputs:
+                stream = self._streams.get(out.rid)
+                if stream is not None:
+                    stream.push(out)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_PERIOD_S)
+            if self._group is None:
+                return
+            problems = await asyncio.to_thread(self._group.problems, self.max_heartbeat_age_s)
+            if problems:
+                self._problems = problems
+                self._fail_all("; ".join(problems))
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(reason)
+
+    async def check_health(self) -> None:
+        if self._problems:
+            raise RuntimeError("; ".join(self._problems))
+        if self._group is None:
+            raise RuntimeError("the replica is not running")
+        problems = await asyncio.to_thread(self._group.problems, self.max_heartbeat_age_s)
+        if problems:
+            self._problems = problems
+            self._fail_all("; ".join(problems))
+            raise RuntimeError("; ".join(problems))
+
+    async def stats(self) -> dict[str, Any]:
+        """Rank 0's scheduler stats (every rank takes the same decisions, so they agree)."""
+        if self._group is None or not self._group.actors:
+            return {}
+        return dict(await self._group.actors[0].stats.remote())
+
+    async def rank_stats(self) -> list[dict[str, Any]]:
+        assert self._group is not None
+        return [dict(await a.stats.remote()) for a in self._group.actors]
+
+    async def sampled_tokens(self) -> list[list[tuple[int, int]]]:
+        """Debug hook: each rank's sampled (request id, token) pairs, to check that ranks agree."""
+        assert self._group is not None
+        return [await a.sampled_tokens.remote() for a in self._group.actors]
