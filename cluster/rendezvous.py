@@ -34,8 +34,9 @@ class RankGroups:
 def join(
     rank: int, size: int, address: str, port: int, *, use_gpu: bool, timeout_s: float = 120.0
 ) -> RankGroups:
-    if size == 1:
+    if size == 1 and not use_gpu:
         return RankGroups(TPGroup(), None)
+    # On GPU even a single rank joins an NCCL group, so TP=1 and TP>1 share one init path.
     backend = "nccl" if use_gpu else "gloo"
     dist.init_process_group(
         backend,
@@ -47,7 +48,7 @@ def join(
     world = dist.group.WORLD
     assert world is not None
     control = dist.new_group(backend="gloo") if use_gpu else world
-    return RankGroups(TPGroup(rank, size, world), control)
+    return RankGroups(TPGroup(rank, size, world if size > 1 else None), control)
 
 
 def leave() -> None:

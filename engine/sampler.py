@@ -120,7 +120,8 @@ def filter_logits_(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     vocab = scaled.shape[-1]
     top_k, top_p = batch.top_k, batch.top_p.to(scaled.dtype)
     min_p = batch.min_p.to(scaled.dtype).clamp(max=1.0)  # above 1 the floor would exceed the top token
-    use_k, use_p = _maybe_any(top_k > 0), _maybe_any(top_p < 1)
+    use_k = batch.any_top_k_top_p and _maybe_any(top_k > 0)
+    use_p = batch.any_top_k_top_p and _maybe_any(top_p < 1)
     if use_k or use_p:
         ordered = scaled.sort(dim=-1, descending=True).values
         keep = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.int64)
@@ -134,7 +135,7 @@ def filter_logits_(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             keep = torch.where(top_p < 1, torch.minimum(keep, keep_p), keep)
         threshold = ordered.gather(1, (keep - 1)[:, None])
         scaled.masked_fill_(scaled < threshold, -math.inf)
-    if _maybe_any(min_p > 0):
+    if batch.any_min_p and _maybe_any(min_p > 0):
         # p >= min_p * p_max is logit >= max_logit + log(min_p); log(0) = -inf keeps everything.
         floor = scaled.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
         scaled.masked_fill_(scaled < floor, -math.inf)

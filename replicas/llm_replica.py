@@ -234,6 +234,10 @@ class LLMReplica:
         assert self._group is not None
         return [dict(await a.stats.remote()) for a in self._group.actors]
 
+    async def describe_ranks(self) -> list[dict[str, Any]]:
+        assert self._group is not None
+        return [dict(await a.describe.remote()) for a in self._group.actors]
+
     async def sampled_tokens(self) -> list[list[tuple[int, int]]]:
         """Debug hook: each rank's sampled (request id, token) pairs, to check that ranks agree."""
         assert self._group is not None

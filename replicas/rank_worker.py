@@ -116,6 +116,19 @@ class RankWorker:
             raise RuntimeError(f"rank {self.rank}'s loop crashed: {self.error}")
         return dict(self._stats)
 
+    def describe(self) -> dict[str, Any]:
+        """Debug hook: how this rank runs (process-group backend, device, streams)."""
+        assert self.runtime is not None
+        streams = self.runtime.streams
+        return {
+            "rank": self.rank,
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "device": str(streams.device),
+            "cuda_streams": streams.is_cuda,
+            "distinct_streams": len({id(streams.scheduler), id(streams.engine), id(streams.copy)}),
+            "overlap": self.runtime.overlap,
+        }
+
     def sampled_tokens(self) -> list[tuple[int, int]]:
         """Debug hook: (request id, token) for every token this rank sampled, in order."""
         return list(self._sampled)

@@ -124,6 +124,8 @@ class BatchBuilder:
             repetition_penalty=self._to_device([s.repetition_penalty for s in specs], torch.float32),
             prompt_lens=self._to_device([r.req.prompt_len for r in rows], torch.int64),
             all_greedy=all(s.temperature == 0.0 for s in specs),
+            any_top_k_top_p=any(s.top_k > 0 or s.top_p < 1.0 for s in specs),
+            any_min_p=any(s.min_p > 0.0 for s in specs),
             num_logprobs=max(logprobs) if logprobs else -1,
         )
 

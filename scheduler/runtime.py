@@ -39,9 +39,15 @@ class RuntimeOptions:
     max_model_len: int | None = None
     mem_fraction: float = 0.85
     guard_inflight_pages: bool = False
+    # Engine ablation switches (EngineConfig.switches() records what actually ran).
+    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA), "flashinfer" or "torch"
+    piecewise_cuda_graph: bool = True
+    cuda_graph_max_bs: int = 256
+    piecewise_max_tokens: int = 2048
 
     def validate(self) -> None:
-        for name in ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len"):
+        names = ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len")
+        for name in (*names, "cuda_graph_max_bs", "piecewise_max_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -82,8 +88,12 @@ class RankRuntime:
             page_size=options.page_size,
             num_pages=options.num_pages,
             mem_fraction=options.mem_fraction,
+            attention_backend=options.attention_backend,
             cuda_graph=options.cuda_graph,
+            piecewise_cuda_graph=options.piecewise_cuda_graph,
             copy_stream=options.copy_stream,
+            cuda_graph_max_bs=options.cuda_graph_max_bs,
+            piecewise_max_tokens=options.piecewise_max_tokens,
         )
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)

@@ -1,0 +1,48 @@
+"""Issue 2: a normal (non-editable) install ships every subpackage and data file, and imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_has_every_package_and_data_file(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )
+    wheel = next(tmp_path.glob("tandem-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in (
+        "tandem/__init__.py",
+        "tandem/llm.py",
+        "tandem/engine/engine.py",
+        "tandem/engine/models/gemma3.py",
+        "tandem/engine/tiny/corpus.txt",
+        "tandem/engine/tiny/chat_template.jinja",
+        "tandem/scheduler/scheduler.py",
+        "tandem/replicas/llm_replica.py",
+        "tandem/cluster/placement.py",
+        "tandem/deploy/args.py",
+    ):
+        assert required in names, required
+    assert not any(n.startswith(("tandem/tests/", "tests/", "tandem/benchmarks/")) for n in names)
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
+    )
+    code = (
+        "import tandem, tandem.engine.tiny as t; from tandem import LLM, SamplingParams;"
+        "print(tandem.__file__); print(len(t.load_tiny_tokenizer()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    file_line, vocab_line = out.stdout.split()
+    assert file_line.startswith(str(target))
+    assert int(vocab_line) == 512
