@@ -38,6 +38,10 @@ class SamplingBatch:
     # Host-side hints, so the GPU can skip the sort-based filters without reading device tensors.
     any_top_k_top_p: bool = True
     any_min_p: bool = True
+    # Whether any row brought its own seed. If none did, the sampler may draw from its own generator
+    # (one fast kernel) instead of the per-row counter-based hash; every TP rank still draws the same
+    # tokens, because every rank samples the same batches in the same order from the same seed.
+    any_explicit_seed: bool = True
     # Top-n logprobs to return per row; -1 for none. 0 returns only the chosen token's logprob.
     num_logprobs: int = -1
 

@@ -156,9 +156,14 @@ class Sampler:
     (torch 2.11) fails to compile the filters' cumsum.
     """
 
-    def __init__(self, vocab_size: int, *, fuse: bool = False) -> None:
+    def __init__(
+        self, vocab_size: int, *, fuse: bool = False, seed: int = 0, device: torch.device | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self._race = torch.compile(exponential_race, dynamic=True) if fuse else exponential_race
+        # For batches where no row brought a seed: one exponential_ kernel instead of the hash.
+        self._generator = torch.Generator(device=device or "cpu")
+        self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         if logits.shape[-1] < self.vocab_size:
@@ -176,7 +181,11 @@ class Sampler:
         temperature = batch.temperature.to(logits.dtype)
         greedy = temperature < _GREEDY_EPS
         scaled = filter_logits_(logits / torch.where(greedy, 1.0, temperature)[:, None], batch)
-        sampled = self._race(scaled, batch.seeds, batch.steps)
+        if batch.any_explicit_seed:
+            sampled = self._race(scaled, batch.seeds, batch.steps)
+        else:
+            noise = torch.empty_like(scaled).exponential_(generator=self._generator)
+            sampled = (scaled - noise.log_()).argmax(dim=-1)
         # Penalties apply to greedy rows too; filters never remove the top token, so plain argmax is right.
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 

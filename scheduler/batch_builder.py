@@ -126,6 +126,7 @@ class BatchBuilder:
             all_greedy=all(s.temperature == 0.0 for s in specs),
             any_top_k_top_p=any(s.top_k > 0 or s.top_p < 1.0 for s in specs),
             any_min_p=any(s.min_p > 0.0 for s in specs),
+            any_explicit_seed=any(s.seed is not None for s in specs),
             num_logprobs=max(logprobs) if logprobs else -1,
         )
 

@@ -96,9 +96,22 @@ def test_empirical_distribution_matches_filtered_reference(
     assert 1 < (expected > 0).sum() < 20 or (top_k, top_p, min_p) == (0, 1.0, 0.0)
     sampler = Sampler(20)
     # Half the draws vary the seed, half vary the step of one seed: both must be good noise sources.
-    for seeds, steps in [(torch.arange(n) * 7919 + 3, 0), (424242, torch.arange(n))]:
+    # A third pass has no explicit seeds, so the sampler draws from its own generator instead.
+    sources: list[tuple[Any, Any, bool]] = [
+        (torch.arange(n) * 7919 + 3, 0, True),
+        (424242, torch.arange(n), True),
+        (0, 0, False),
+    ]
+    for seeds, steps, explicit in sources:
         batch = make_batch(
-            n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, steps=steps
+            n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            steps=steps,
+            any_explicit_seed=explicit,
         )
         tokens = sampler(LOGITS.expand(n, 20), batch).next_tokens
         freq = torch.bincount(tokens, minlength=20).double().numpy() / n
