@@ -10,6 +10,16 @@ from tandem.engine.distributed import TPGroup
 from tandem.engine.layers.source import TensorSource, check_shape
 
 
+def load_vocab_rows(
+    weight: nn.Parameter, source: TensorSource, start: int, vocab_size: int, what: str
+) -> None:
+    """Copy this rank's rows of a [vocab, hidden] tensor; rows past the real vocab stay zero."""
+    check_shape(source, (vocab_size, weight.shape[1]), what)
+    rows = max(0, min(weight.shape[0], vocab_size - start))
+    if rows:
+        weight.data[:rows].copy_(source.read(0, start, rows))
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + part) of the vocab live on this rank; the others contribute zeros."""
 
@@ -25,10 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.part, hidden_size, dtype=dtype, device=device), False)
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
-        check_shape(source, (self.vocab_size, self.hidden_size), "the vocab embedding")
-        rows = max(0, min(self.part, self.vocab_size - self.start))
-        if rows:
-            self.weight.data[:rows].copy_(source.read(0, self.start, rows))
+        load_vocab_rows(self.weight, source, self.start, self.vocab_size, "the vocab embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -55,10 +62,7 @@ class ParallelLMHead(nn.Module):
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), False)
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
-        check_shape(source, (self.vocab_size, self.hidden_size), "the LM head")
-        rows = max(0, min(self.part, self.vocab_size - self.start))
-        if rows:
-            self.weight.data[:rows].copy_(source.read(0, self.start, rows))
+        load_vocab_rows(self.weight, source, self.start, self.vocab_size, "the LM head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
