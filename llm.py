@@ -14,6 +14,7 @@ from tandem.replicas.detokenizer import IncrementalDetokenizer
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
+from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
 
@@ -72,7 +73,9 @@ class LLM:
             self._remote = RemoteGroup(str(self.model_dir), tp_size, options)
             self.limits = self._remote.limits
         else:
-            self.runtime = RankRuntime(self.model_dir, options, TPGroup(), self._outputs.extend)
+            self.runtime = RankRuntime(
+                self.model_dir, options, TPGroup(), self._outputs.extend, tqdm_progress("loading weights")
+            )
             self.limits = self.runtime.limits()
         self.vocab_size = self.limits.vocab_size
         self._next_rid = 0

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tandem.cluster import rendezvous
 from tandem.replicas.channel import ChannelAddress, RankChannel
 from tandem.scheduler.messages import SchedulerMsg, TokenOutput
+from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeLimits, RuntimeOptions
 
 IDLE_POLL_MS = 50  # how long an idle rank 0 waits for messages before beating again
@@ -64,7 +65,8 @@ class RankWorker:
         use_gpu = options.device.startswith("cuda") or (options.device == "auto" and _has_cuda())
         groups = rendezvous.join(rank, size, master[0], master[1], use_gpu=use_gpu)
         self.control = groups.control
-        self.runtime = RankRuntime(Path(model_dir), options, groups.tp, self._emit)
+        progress = tqdm_progress(f"rank {rank}: loading weights")
+        self.runtime = RankRuntime(Path(model_dir), options, groups.tp, self._emit, progress)
         if rank == 0 and channel is not None:
             self.channel = RankChannel(channel)
         self._thread = threading.Thread(target=self._loop, name=f"tandem-rank{rank}", daemon=True)
