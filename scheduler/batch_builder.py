@@ -1,20 +1,25 @@
 """Turns the scheduled rows into plain tensors for the engine.
 
-Host tensors are built in (pinned, on CUDA) memory and copied to the device with non_blocking=True on
-the scheduler stream; input ids and penalty history are gathered from the token pool later, on the
-engine stream, so they include tokens the previous batch has only just written there.
+Host arrays are built with numpy (tiny gathers; torch's intra-op threads would cost milliseconds per
+op here), wrapped as (pinned, on CUDA) tensors and copied to the device with non_blocking=True on the
+scheduler stream. Input ids and penalty history are gathered from the token pool later, on the engine
+stream, so they include tokens the previous batch has only just written there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from tandem.engine.batch import AttentionGroupBatch, SamplingBatch
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
 from tandem.scheduler.table import RequestTable
+
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -51,78 +56,90 @@ class BatchBuilder:
         self.device = device
         self.pin = device.type == "cuda"
 
-    def _to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.pin)
-        return host.to(self.device, non_blocking=True)
+    def _host(self, array: npt.NDArray[np.generic]) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor.pin_memory() if self.pin else tensor
+
+    def _device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True) if self.pin else host
+
+    def _upload(self, values: list[int] | list[float] | npt.NDArray[np.generic], dtype: type) -> torch.Tensor:
+        return self._device(self._host(np.asarray(values, dtype=dtype)))
 
     def build(self, batch_id: int, rows: list[Row]) -> PreparedBatch:
-        table = self.table
-        seq = [r.start + r.length for r in rows]
-        ext = [r.length for r in rows]
-        positions: list[int] = []
-        inputs: list[int] = []
-        outputs: list[int] = []
-        for r in rows:
-            base = r.req.slot * table.max_seq_len
-            positions.extend(range(r.start, r.start + r.length))
-            inputs.extend(range(base + r.start, base + r.start + r.length))
-            end = r.start + r.length
-            outputs.append(base + end if r.samples and end < table.max_seq_len else -1)
-        pos_cpu = torch.tensor(positions, dtype=torch.int64)
-        slots = torch.tensor([r.req.slot for r in rows], dtype=torch.int64)
-        groups = tuple(self._group(g, rows, slots, seq, pos_cpu) for g in range(len(self.kv.groups)))
+        max_len = self.table.max_seq_len
+        starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
+        lengths = np.fromiter((r.length for r in rows), dtype=np.int64, count=len(rows))
+        slots = np.fromiter((r.req.slot for r in rows), dtype=np.int64, count=len(rows))
+        samples = np.fromiter((r.samples for r in rows), dtype=bool, count=len(rows))
+        ends = starts + lengths
+        is_decode = bool((lengths == 1).all())
+        if is_decode:
+            row_of_token, positions = np.arange(len(rows)), starts
+        else:
+            row_of_token = np.repeat(np.arange(len(rows)), lengths)
+            offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            positions = starts[row_of_token] + offsets
+        inputs = slots[row_of_token] * max_len + positions
+        outputs = np.where(samples & (ends < max_len), slots * max_len + ends, -1)
+        seq_cpu = self._host(ends.astype(np.int32))
+        ext_cpu = self._host(lengths.astype(np.int32))
+        groups = tuple(
+            self._group(g, rows, slots, ends, row_of_token, positions) for g in range(len(self.kv.groups))
+        )
         return PreparedBatch(
             batch_id=batch_id,
             rows=rows,
-            input_mapping=self._to_device(inputs, torch.int64),
-            output_mapping=self._to_device(outputs, torch.int64),
-            positions=pos_cpu.pin_memory().to(self.device, non_blocking=True) if self.pin else pos_cpu,
-            seq_lens=self._to_device(seq, torch.int32),
-            extend_lens=self._to_device(ext, torch.int32),
-            seq_lens_cpu=torch.tensor(seq, dtype=torch.int32),
-            extend_lens_cpu=torch.tensor(ext, dtype=torch.int32),
+            input_mapping=self._upload(inputs, np.int64),
+            output_mapping=self._upload(outputs, np.int64),
+            positions=self._upload(positions, np.int64),
+            seq_lens=self._device(seq_cpu),
+            extend_lens=self._device(ext_cpu),
+            seq_lens_cpu=seq_cpu,
+            extend_lens_cpu=ext_cpu,
             groups=groups,
             sampling=self._sampling(rows),
             history_index=self._history(rows),
-            is_decode=all(n == 1 for n in ext),
+            is_decode=is_decode,
         )
 
     def _group(
-        self, g: int, rows: list[Row], slots: torch.Tensor, seq: list[int], pos: torch.Tensor
+        self,
+        g: int,
+        rows: list[Row],
+        slots: IntArray,
+        ends: IntArray,
+        row_of_token: IntArray,
+        positions: IntArray,
     ) -> AttentionGroupBatch:
         ps = self.kv.page_size
-        width = max(-(-n // ps) for n in seq)
-        table = self.table.page_tables[g].index_select(0, slots)[:, :width].contiguous()
-        row_of_token = torch.repeat_interleave(
-            torch.arange(len(rows)), torch.tensor([r.length for r in rows])
+        width = int((ends.max() + ps - 1) // ps)
+        table = self.table.page_tables[g][slots, :width]
+        loc = table[row_of_token, positions // ps].astype(np.int64) * ps + positions % ps
+        kv_start = np.fromiter((self.kv.kv_start(r.req, g) for r in rows), dtype=np.int32, count=len(rows))
+        table_cpu, start_cpu = self._host(table), self._host(kv_start)
+        return AttentionGroupBatch(
+            page_table=self._device(table_cpu),
+            kv_start=self._device(start_cpu),
+            out_cache_loc=self._upload(loc, np.int64),
+            kv_start_cpu=start_cpu,
+            page_table_cpu=table_cpu,
         )
-        pages = table[row_of_token, pos // ps].to(torch.int64)
-        loc = pages * ps + pos % ps
-        kv_start = torch.tensor([self.kv.kv_start(r.req, g) for r in rows], dtype=torch.int32)
-        if self.pin:
-            return AttentionGroupBatch(
-                page_table=table.pin_memory().to(self.device, non_blocking=True),
-                kv_start=kv_start.pin_memory().to(self.device, non_blocking=True),
-                out_cache_loc=loc.pin_memory().to(self.device, non_blocking=True),
-                kv_start_cpu=kv_start,
-                page_table_cpu=table,
-            )
-        return AttentionGroupBatch(table, kv_start, loc, kv_start, table)
 
     def _sampling(self, rows: list[Row]) -> SamplingBatch:
         specs = [r.req.sampling for r in rows]
         logprobs = [s.logprobs for s in specs if s.logprobs is not None]
         return SamplingBatch(
-            temperature=self._to_device([s.temperature for s in specs], torch.float32),
-            top_p=self._to_device([s.top_p for s in specs], torch.float32),
-            top_k=self._to_device([s.top_k for s in specs], torch.int64),
-            min_p=self._to_device([s.min_p for s in specs], torch.float32),
-            seeds=self._to_device([r.req.seed for r in rows], torch.int64),
-            steps=self._to_device([r.req.scheduled_outputs for r in rows], torch.int64),
-            presence_penalty=self._to_device([s.presence_penalty for s in specs], torch.float32),
-            frequency_penalty=self._to_device([s.frequency_penalty for s in specs], torch.float32),
-            repetition_penalty=self._to_device([s.repetition_penalty for s in specs], torch.float32),
-            prompt_lens=self._to_device([r.req.prompt_len for r in rows], torch.int64),
+            temperature=self._upload([s.temperature for s in specs], np.float32),
+            top_p=self._upload([s.top_p for s in specs], np.float32),
+            top_k=self._upload([s.top_k for s in specs], np.int64),
+            min_p=self._upload([s.min_p for s in specs], np.float32),
+            seeds=self._upload([r.req.seed for r in rows], np.int64),
+            steps=self._upload([r.req.scheduled_outputs for r in rows], np.int64),
+            presence_penalty=self._upload([s.presence_penalty for s in specs], np.float32),
+            frequency_penalty=self._upload([s.frequency_penalty for s in specs], np.float32),
+            repetition_penalty=self._upload([s.repetition_penalty for s in specs], np.float32),
+            prompt_lens=self._upload([r.req.prompt_len for r in rows], np.int64),
             all_greedy=all(s.temperature == 0.0 for s in specs),
             any_top_k_top_p=any(s.top_k > 0 or s.top_p < 1.0 for s in specs),
             any_min_p=any(s.min_p > 0.0 for s in specs),
@@ -134,12 +151,10 @@ class BatchBuilder:
         if not any(_has_penalty(r.req) for r in rows):
             return None
         # Tokens known to the pool before this step's sample: the prompt and every earlier output.
-        lengths = [r.req.device_len for r in rows]
-        width = max(lengths)
-        cols = torch.arange(width).unsqueeze(0)
-        base = torch.tensor([r.req.slot * self.table.max_seq_len for r in rows]).unsqueeze(1)
-        index = torch.where(cols < torch.tensor(lengths).unsqueeze(1), base + cols, -1)
-        return index.pin_memory().to(self.device, non_blocking=True) if self.pin else index
+        lengths = np.array([r.req.device_len for r in rows], dtype=np.int64)
+        cols = np.arange(int(lengths.max()))[None, :]
+        base = np.array([r.req.slot * self.table.max_seq_len for r in rows], dtype=np.int64)[:, None]
+        return self._upload(np.where(cols < lengths[:, None], base + cols, -1), np.int64)
 
 
 def _has_penalty(req: Request) -> bool:

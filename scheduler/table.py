@@ -7,6 +7,7 @@ learn a token. Its last element is a trash slot: writes for rows that produce no
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,7 +22,9 @@ class RequestTable:
         self.device = device
         self.token_pool = torch.zeros(max_running * max_seq_len + 1, dtype=torch.int64, device=device)
         max_pages = -(-max_seq_len // page_size)
-        self.page_tables = [torch.zeros(max_running, max_pages, dtype=torch.int32) for _ in range(num_groups)]
+        # Host tables are numpy: building a batch does many tiny gathers, and torch's intra-op thread
+        # pool costs milliseconds per tiny op on a busy host, where numpy costs microseconds.
+        self.page_tables = [np.zeros((max_running, max_pages), dtype=np.int32) for _ in range(num_groups)]
         self._free = list(range(max_running - 1, -1, -1))
 
     @property
@@ -46,4 +49,4 @@ class RequestTable:
 
     def set_pages(self, group: int, slot: int, first: int, pages: list[int]) -> None:
         if pages:
-            self.page_tables[group][slot, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self.page_tables[group][slot, first : first + len(pages)] = pages
