@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -9,20 +10,24 @@ import torch
 from tandem.engine.attention import AttentionBackend, backend_factory
 from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.config import ModelConfig
+from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
+from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
 
 
 class Engine:
-    """Owns the model, the KV pool, the attention backend and the sampler of one rank.
+    """Owns the model, the KV pool, the attention backend, the CUDA graphs and the sampler of one rank.
 
     It never sees requests: the scheduler hands it a `ForwardBatch` and gets a `ForwardOutput`.
+    A batch runs through a decode graph when one fits, else through piecewise graphs when its token
+    count fits a bucket, else eagerly; all three run the same modules (padding aside, the same math).
     """
 
     def __init__(
@@ -41,15 +46,45 @@ class Engine:
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device)
         load_weights(self.model, config.model_dir, progress)
         self.model.eval()
+        self.capture_seconds = 0.0
+        # Piecewise graphs need no KV pool, so they are captured first and the pool is sized from
+        # what is free after weights and graphs.
+        self.piecewise: PiecewiseGraphRunner | None = None
+        if config.piecewise_cuda_graph:
+            self.piecewise = PiecewiseGraphRunner(
+                self.model, max_tokens=config.piecewise_max_tokens, device=config.device
+            )
+            self._timed(self.piecewise.capture)
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
-        local_kv = self.model.local_kv_heads
         self.pool = KVPool(
-            self.groups, config.page_size, local_kv, mc.head_dim, dtype=config.dtype, device=config.device
+            self.groups,
+            config.page_size,
+            self.model.local_kv_heads,
+            mc.head_dim,
+            dtype=config.dtype,
+            device=config.device,
         )
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
-            self.groups, config.page_size, config.device
+            self.groups, config.page_size, config.device, layers=self.model.layer_specs(), dtype=config.dtype
         )
-        self.sampler = Sampler(mc.vocab_size)
+        self.sampler = Sampler(mc.vocab_size, device=config.device)
+        # Decode graphs bake in the pool's and the backend's buffer addresses, so they come last.
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if config.cuda_graph:
+            self.decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.attention,
+                self.pool,
+                max_bs=config.cuda_graph_max_bs,
+                max_pages_per_row=-(-mc.max_position_embeddings // config.page_size),
+                device=config.device,
+            )
+            self._timed(self.decode_graphs.capture)
+
+    def _timed(self, capture: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        capture()
+        self.capture_seconds += time.perf_counter() - start
 
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
@@ -57,24 +92,36 @@ class Engine:
         mc, cfg = self.model_config, self.config
         free, total = torch.cuda.mem_get_info(cfg.device)
         budget = free - (1.0 - cfg.mem_fraction) * total
-        local_kv = max(1, mc.num_kv_heads // self.tp.size)
         elem = torch.empty((), dtype=cfg.dtype).element_size()
-        page_bytes = 2 * mc.num_layers * local_kv * mc.head_dim * elem * cfg.page_size
+        page_bytes = 2 * mc.num_layers * self.model.local_kv_heads * mc.head_dim * elem * cfg.page_size
         if budget < page_bytes * 64:
             raise RuntimeError(
                 f"not enough GPU memory for the KV cache after loading weights: {budget / 2**30:.2f} GiB "
                 f"left at mem_fraction={cfg.mem_fraction}"
             )
-        return int(budget // page_bytes)
+        return int(budget // page_bytes) - 1  # one dummy page per group (KVPool)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        return self._copy_to_host(self.sampler(self.logits(batch), batch.sampling))
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 [B, vocab] for each row's last token (the forward without sampling)."""
+        graphs = self.decode_graphs
+        graph_bs = graphs.padded_size(batch) if graphs is not None else None
+        if graphs is not None and graph_bs is not None:
+            return self.model.compute_logits(graphs.run(batch, graph_bs))
         self.attention.plan(batch)
         ctx = ForwardContext(self.attention, self.pool)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
-        last = torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1
-        logits = self.model.compute_logits(hidden[last])
-        return self._copy_to_host(self.sampler(logits, batch.sampling))
+        bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
+        if self.piecewise is not None and bucket is not None:
+            hidden = self.piecewise.run(batch, ctx, bucket)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, ctx)
+        if not batch.is_decode:  # decode rows are their own last token
+            hidden = hidden[torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1]
+        return self.model.compute_logits(hidden)
 
     def _copy_to_host(self, result: SampleResult) -> ForwardOutput:
         """Start the D2H copy on the copy stream; the caller waits on `copy_done` one step later."""

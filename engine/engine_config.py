@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tandem.engine.config import ModelConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BACKENDS = ("auto", "torch", "flashinfer")
+# The head sizes flashinfer's kernels are built and tested for.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings after resolution. `num_pages` None means: size the pool from free memory."""
+    """Engine settings after resolution. `num_pages` None means: size the pool from free memory.
+
+    The switches are already what runs: `cuda_graph` is False on CPU or with the torch backend, and
+    so on. `switches()` records them with benchmark results.
+    """
 
     model_dir: Path
     device: torch.device
@@ -21,9 +32,26 @@ class EngineConfig:
     num_pages: int | None
     mem_fraction: float = 0.85
     attention_backend: str = "torch"
-    cuda_graph: bool = False
-    copy_stream: bool = True
+    cuda_graph: bool = False  # full CUDA graphs for decode batches
+    piecewise_cuda_graph: bool = False  # CUDA graphs of the pieces between attention calls (prefill)
+    copy_stream: bool = True  # device-to-host result copies on their own stream
+    cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
+    piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
     max_batch_size: int = 256
+
+    def switches(self) -> dict[str, object]:
+        """The engine's ablation switches as plain values, for benchmark result files."""
+        return {
+            "attention_backend": self.attention_backend,
+            "cuda_graph": self.cuda_graph,
+            "piecewise_cuda_graph": self.piecewise_cuda_graph,
+            "copy_stream": self.copy_stream,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "piecewise_max_tokens": self.piecewise_max_tokens,
+            "page_size": self.page_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
 
 
 def resolve_device(device: str) -> torch.device:
@@ -44,6 +72,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _flashinfer_importable() -> bool:
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # an incomplete install fails with anything, not only ImportError
+        warnings.warn(f"flashinfer is unavailable ({exc!r}); using the torch attention backend", stacklevel=3)
+        return False
+    return True
+
+
+def resolve_backend(name: str, device: torch.device, head_dim: int | None = None) -> str:
+    """'auto' is flashinfer on CUDA when it imports and serves the head size, else the torch reference."""
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(_BACKENDS)}, got {name!r}")
+    on_gpu = device.type == "cuda"
+    if name == "flashinfer" and not on_gpu:
+        raise ValueError("attention_backend='flashinfer' needs a CUDA device")
+    served = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    if name == "flashinfer" and not served:
+        raise ValueError(
+            f"attention_backend='flashinfer' serves head_dim {FLASHINFER_HEAD_DIMS}, got {head_dim}"
+        )
+    if name == "auto":
+        # The embedded tiny models (head_dim 16) take the torch backend on GPU too.
+        return "flashinfer" if on_gpu and served and _flashinfer_importable() else "torch"
+    return name
+
+
+def _head_dim(model_dir: Path) -> int | None:
+    try:
+        return ModelConfig.from_dir(model_dir).head_dim
+    except (FileNotFoundError, ValueError, KeyError):
+        return None  # the engine reports a broken model directory properly when it loads it
+
+
 def resolve_engine_config(
     model_dir: Path,
     *,
@@ -52,8 +114,12 @@ def resolve_engine_config(
     page_size: int | None = None,
     num_pages: int | None = None,
     mem_fraction: float = 0.85,
+    attention_backend: str = "auto",
     cuda_graph: bool = True,
+    piecewise_cuda_graph: bool = True,
     copy_stream: bool = True,
+    cuda_graph_max_bs: int = 256,
+    piecewise_max_tokens: int = 2048,
     kv_tokens_cpu: int = 32768,
 ) -> EngineConfig:
     dev = resolve_device(device)
@@ -61,7 +127,14 @@ def resolve_engine_config(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if not 0.0 < mem_fraction < 1.0:
         raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
+    for name, value in (
+        ("cuda_graph_max_bs", cuda_graph_max_bs),
+        ("piecewise_max_tokens", piecewise_max_tokens),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     on_gpu = dev.type == "cuda"
+    backend = resolve_backend(attention_backend, dev, _head_dim(model_dir) if on_gpu else None)
     # flashinfer and CUDA graphs like 16-token pages; on CPU small pages keep tiny pools fine-grained.
     resolved_page = page_size or (16 if on_gpu else 4)
     if num_pages is None and not on_gpu:
@@ -73,7 +146,11 @@ def resolve_engine_config(
         page_size=resolved_page,
         num_pages=num_pages,
         mem_fraction=mem_fraction,
-        attention_backend="torch",  # the flashinfer backend arrives with the GPU path
-        cuda_graph=cuda_graph and on_gpu,
+        attention_backend=backend,
+        # Decode graphs need an attention backend that plans into fixed buffers (flashinfer).
+        cuda_graph=cuda_graph and on_gpu and backend == "flashinfer",
+        piecewise_cuda_graph=piecewise_cuda_graph and on_gpu,
         copy_stream=copy_stream and on_gpu,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        piecewise_max_tokens=piecewise_max_tokens,
     )

@@ -37,7 +37,11 @@ def plan_groups(config: ModelConfig, num_pages: int, window_pages: int | None = 
 
 
 class KVPool:
-    """K and V caches per layer, addressed by flat slot = page * page_size + offset within its group."""
+    """K and V caches per layer, addressed by flat slot = page * page_size + offset within its group.
+
+    Each group holds one page more than the scheduler hands out: page `num_pages` (`dummy_page`) is
+    owned by no request, so CUDA-graph padding rows can read and write it without touching live KV.
+    """
 
     def __init__(
         self,
@@ -55,11 +59,20 @@ class KVPool:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for group in groups:
-            slots = group.num_pages * page_size
+            slots = (group.num_pages + 1) * page_size
             for layer in group.layers:
                 self.layer_group[layer] = group.group_id
                 self.k[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
                 self.v[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def dummy_page(self, group_id: int) -> int:
+        return self.groups[group_id].num_pages
+
+    def paged_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as [pages, page_size, kv_heads, head_dim] (flashinfer's NHD layout)."""
+        k, v = self.k[layer], self.v[layer]
+        shape = (-1, self.page_size, k.shape[1], k.shape[2])
+        return k.view(shape), v.view(shape)
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][loc] = k

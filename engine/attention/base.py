@@ -1,7 +1,8 @@
 """The attention-backend interface: plan once per batch (outside any graph), then run per layer.
 
 This matches flashinfer's plan/run model: `plan` turns the batch's page tables and lengths into
-whatever metadata the kernels need; `forward` only reads that metadata.
+whatever metadata the kernels need; `forward` only reads that metadata, so it can run inside a CUDA
+graph (decode) or eagerly between captured pieces (piecewise prefill).
 """
 
 from __future__ import annotations
@@ -29,11 +30,32 @@ class LayerSpec:
 
 
 class AttentionBackend(Protocol):
+    # Whether `plan_decode_graph` works: full decode graphs need fixed-address metadata buffers.
+    supports_decode_graphs: bool
+
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare per-batch metadata. Called once per batch, before the model runs."""
 
     def forward(
-        self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self,
+        layer: LayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: KVPool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store k/v for the new tokens, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        """Store k/v for the new tokens, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H * D].
+
+        `out` ([T, H * D]), when given, receives the result (a static buffer of a piecewise graph).
+        """
         ...
+
+    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+        """Allocate fixed metadata buffers for decode graphs of these padded batch sizes."""
+
+    def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
+        """Plan a decode batch padded to `graph_bs` rows into the fixed buffers (None: all padding).
+
+        Padding rows read and write only the pool's dummy page.
+        """

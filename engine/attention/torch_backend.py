@@ -7,6 +7,7 @@ cached prefix (extend), per-layer sliding windows over evicted page tables, GQA 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,18 @@ class _RowPlan:
 
 
 class TorchAttentionBackend:
-    """Per-row gather + SDPA. `plan` builds slot lists and masks once per batch and KV group."""
+    """Per-row gather + SDPA. `plan` builds slot lists and masks once per batch and KV group.
 
-    def __init__(self, groups: list[KVGroupSpec], page_size: int, device: torch.device) -> None:
+    Its shapes depend on host values, so it cannot run inside a decode graph; it does run between
+    the captured pieces of a piecewise graph.
+    """
+
+    supports_decode_graphs = False
+
+    def __init__(
+        self, groups: list[KVGroupSpec], page_size: int, device: torch.device, **options: Any
+    ) -> None:
+        # `options` (layer specs, dtype, kernel choices) matter only to the kernel backends.
         self.groups = groups
         self.page_size = page_size
         self.device = device
@@ -65,12 +75,20 @@ class TorchAttentionBackend:
         return visible.to(self.device)
 
     def forward(
-        self, layer: LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self,
+        layer: LayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: KVPool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         group_id = pool.layer_group[layer.layer_id]
         pool.store(layer.layer_id, self._out_loc[group_id], k, v)
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
-        out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
+        heads = out.view(q.shape[0], layer.num_heads, layer.head_dim)
         for row in self._rows[group_id]:
             qb = q[row.q_start : row.q_start + row.q_len].transpose(0, 1)  # [H, E, D]
             kb = k_cache[row.slots].transpose(0, 1)  # [Hkv, L, D]
@@ -83,8 +101,14 @@ class TorchAttentionBackend:
                 ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=row.mask, scale=layer.scale)
             else:
                 ob = _softcapped(qb, kb, vb, row.mask, layer.scale, layer.softcap)
-            out[row.q_start : row.q_start + row.q_len] = ob.transpose(0, 1)
-        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+            heads[row.q_start : row.q_start + row.q_len] = ob.transpose(0, 1)
+        return out
+
+    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+        raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")
+
+    def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
+        raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")
 
 
 def _softcapped(

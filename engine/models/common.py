@@ -24,6 +24,9 @@ from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 from tandem.engine.layers.source import TensorSource
 
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [T, H, D]; k and v [T, Hkv, D]
+Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # residual, q, k, v
+
 
 class Loadable(Protocol):
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None: ...
@@ -89,7 +92,8 @@ class Attention(nn.Module):
             softcap=c.attn_softcap,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> QKV:
+        """Everything before the attention kernel: projection, per-head norms and rope."""
         s = self.spec
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -98,8 +102,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = ctx.attention.forward(s, q, k, v, ctx.pool)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -134,8 +137,12 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = b.norm(size)
             self.post_feedforward_layernorm = b.norm(size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(x), ctx)
+    def attention_inputs(self, positions: torch.Tensor, x: torch.Tensor) -> QKV:
+        return self.self_attn.qkv(positions, self.input_layernorm(x))
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer once attention has run: o_proj, residuals, norms and the MLP."""
+        attn = self.self_attn.o_proj(attn_out)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -160,13 +167,39 @@ class DecoderBody(nn.Module):
             torch.tensor(c.hidden_size**0.5, dtype=b.dtype).item() if b.traits.embed_scale else None
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def layer(self, i: int) -> DecoderLayer:
+        return cast(DecoderLayer, self.layers[i])
+
+    # The pieces between attention calls. The eager forward chains them with attention in between;
+    # the piecewise CUDA graphs capture each piece per token bucket and run attention eagerly, so
+    # both paths share these modules and only attention metadata stays outside every graph.
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Piece:
+        """Embedding, then layer 0 up to its attention: (residual, q, k, v)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)  # type: ignore[no-any-return]
+        return (x, *self.layer(0).attention_inputs(positions, x))
+
+    def middle_piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor) -> Piece:
+        """Finish layer i - 1 from its attention output, then run layer i up to its attention."""
+        x = self.layer(i - 1).finish(x, attn_out)
+        return (x, *self.layer(i).attention_inputs(positions, x))
+
+    def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Finish the last layer, then the final norm."""
+        return self.norm(self.layer(len(self.layers) - 1).finish(x, attn_out))  # type: ignore[no-any-return]
+
+    def attend(
+        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return ctx.attention.forward(self.layer(i).self_attn.spec, q, k, v, ctx.pool)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, q, k, v = self.first_piece(input_ids, positions)
+        last = len(self.layers) - 1
+        for i in range(last):
+            x, q, k, v = self.middle_piece(i + 1, positions, x, self.attend(i, q, k, v, ctx))
+        return self.last_piece(x, self.attend(last, q, k, v, ctx))
 
 
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -187,8 +220,10 @@ class CausalLM(nn.Module):
     @property
     def local_kv_heads(self) -> int:
         """KV heads this rank holds (the KV pool's width)."""
-        first = cast(DecoderLayer, self.model.layers[0])
-        return first.self_attn.spec.num_kv_heads
+        return self.model.layer(0).self_attn.spec.num_kv_heads
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]

@@ -49,5 +49,7 @@ def test_tp1_replica_under_serve(tmp_path) -> None:  # type: ignore[no-untyped-d
     rank = result["ranks"][0]
     assert rank["backend"] == "nccl"
     assert rank["device"].startswith("cuda") and rank["cuda_streams"] and rank["distinct_streams"] == 3
-    offline = LLM(str(model_dir), device="cuda").generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    offline = LLM(str(model_dir), device="cuda").generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0)
+    )
     assert result["tokens"] == offline[0].token_ids

@@ -1,0 +1,55 @@
+"""Build flashinfer's attention kernels for the variants tandem uses, in one parallel ninja run.
+
+flashinfer compiles each kernel variant on first use, one after another (tens of seconds to minutes
+each on an H200). tandem needs one module per (head_dim, sliding window, soft-cap) in bf16: the fa2
+paged prefill module, which also serves tensor-core decode (see FlashInferBackend). Building them
+together uses every core at once; `save_fi_cache DIR` (from .device/gpu-env.sh) then keeps them for
+the next host. Best effort: if this flashinfer's internals differ, the kernels still build lazily.
+
+    python benchmarks/prebuild_kernels.py            # what tests/gpu and the benchmarks use
+    python benchmarks/prebuild_kernels.py --softcap  # plus Gemma 2's soft-capped variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+# (head_dim, sliding window, soft-cap): Qwen3/Llama shapes; Gemma 3's global and local layers.
+VARIANTS = [(128, False, False), (256, False, False), (256, True, False)]
+SOFTCAP_VARIANTS = [(128, False, True), (128, True, True)]  # Gemma 2 shapes in tests/gpu
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--softcap", action="store_true", help="also build the soft-capped variants")
+    args = parser.parse_args()
+    variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
+    try:
+        from flashinfer.jit import build_jit_specs
+        from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+        from flashinfer.utils import PosEncodingMode
+
+        bf16 = torch.bfloat16
+        specs = [
+            _gen_batch_prefill_primary_module(
+                "fa2", bf16, bf16, bf16, torch.int32, d, d, PosEncodingMode.NONE.value, window, softcap, False
+            )
+            for d, window, softcap in variants
+        ]
+        start = time.perf_counter()
+        build_jit_specs(specs)
+    except Exception as exc:  # the kernels will still build on first use
+        print(f"prebuild skipped: {exc!r}", file=sys.stderr)
+        return 0
+    print(f"built {len(specs)} flashinfer modules {variants} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""flashinfer paged attention for the GPU: extend/prefill over a cached prefix, decode, decode graphs.
+
+Planning happens once per batch and KV group, outside any graph, from the host copies of the batch
+(lengths, kv_start) plus page indices gathered on the device; `forward` only stores K/V and runs the
+planned wrapper, so it works inside a full decode graph and between piecewise prefill graphs alike.
+
+Never import this module on CPU: the backend registry imports it on first use only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flashinfer
+import torch
+
+from tandem.engine.attention.base import LayerSpec
+from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
+from tandem.engine.attention.paged_layout import (
+    PagedLayout,
+    empty_layout,
+    kv_page_indices,
+    pad_layout,
+    paged_layout,
+)
+from tandem.engine.batch import ForwardBatch
+from tandem.engine.kv_pool import KVGroupSpec, KVPool
+
+
+@dataclass
+class _GraphBuffers:
+    """Fixed-address metadata of one KV group for every decode graph (shared across batch sizes:
+    all graphs replay on one stream, each right after its own plan, so they never overlap)."""
+
+    out_loc: torch.Tensor  # int64 [max_bs]
+    dummy_pages: torch.Tensor  # int32 [max_bs], all the pool's dummy page
+    wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
+
+
+class FlashInferBackend:
+    """Per KV group: one prefill wrapper (causal, paged, cached prefix), one decode wrapper, and one
+    graph-mode decode wrapper per captured batch size.
+
+    Invariants: pages below a row's kv_start are never listed (evicted pages are stale); padding rows
+    of a decode graph list only the pool's dummy page and store K/V only there; a plan never
+    overwrites flashinfer's pinned staging buffer before the previous plan's copy has run (see
+    `_wait_previous_plan`).
+    """
+
+    supports_decode_graphs = True
+
+    def __init__(
+        self,
+        groups: list[KVGroupSpec],
+        page_size: int,
+        device: torch.device,
+        *,
+        layers: Sequence[LayerSpec],
+        dtype: torch.dtype,
+        workspace_mb: int = 256,
+        prefill_backend: str = "fa2",
+        decode_backend: str = "fa2",
+        decode_tensor_cores: bool = True,
+        **_options: Any,
+    ) -> None:
+        self.groups = groups
+        self.page_size = page_size
+        self.device = device
+        self.dtype = dtype
+        self.kernels: dict[int, GroupKernel] = group_kernels(groups, layers)
+        # Explicit kernel families rather than flashinfer's "auto", which may route to cuDNN, XQA or
+        # fa3 depending on the GPU and the plan: fa2 for both keeps one kernel choice everywhere, and
+        # tensor-core decode runs the fa2 prefill kernel, the same JIT module as fa2 prefill, so each
+        # (head_dim, window, softcap) variant compiles once (about a minute each on an H200) rather
+        # than twice. Tensor-core decode is also the faster one for grouped-query heads.
+        self.decode_backend = decode_backend
+        self.decode_tensor_cores = decode_tensor_cores
+        # One float workspace for every wrapper: they all run on one stream, one kernel at a time.
+        self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=device)
+        self.prefill = {
+            g.group_id: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=prefill_backend
+            )
+            for g in groups
+        }
+        self.decode = {
+            g.group_id: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=decode_tensor_cores, backend=decode_backend
+            )
+            for g in groups
+        }
+        self._graph: dict[int, _GraphBuffers] = {}
+        self._active: dict[int, Any] = {}
+        self._out_loc: dict[int, torch.Tensor] = {}
+        self._planned = torch.cuda.Event()
+        self._has_planned = False
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _wait_previous_plan(self) -> None:
+        """flashinfer's plan writes its schedule into a pinned host buffer and copies it to the GPU
+        asynchronously. With overlap, the CPU may plan batch N+1 before the GPU has run batch N's
+        copy, so wait for that copy first; it runs as soon as batch N-1 finishes, which the overlap
+        loop has already waited for, so this costs next to nothing."""
+        if self._has_planned:
+            self._planned.synchronize()
+
+    def _record_plan(self) -> None:
+        self._planned.record()
+        self._has_planned = True
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self._wait_previous_plan()
+        qo_indptr = None if batch.is_decode else _indptr(batch.extend_lens_cpu).pin_memory()
+        for group in self.groups:
+            gid = group.group_id
+            paging = batch.groups[gid]
+            layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
+            indices = kv_page_indices(
+                paging.page_table, paging.kv_start, batch.seq_lens, self.page_size, layout.num_pages
+            )
+            if qo_indptr is None:
+                wrapper = self.decode[gid]
+                self._plan_decode(wrapper, gid, layout.pin(), indices)
+            else:
+                wrapper = self.prefill[gid]
+                self._plan_prefill(wrapper, gid, qo_indptr, layout.pin(), indices)
+            self._active[gid] = wrapper
+            self._out_loc[gid] = paging.out_cache_loc
+        self._record_plan()
+
+    def _plan_prefill(
+        self, wrapper: Any, gid: int, qo_indptr: torch.Tensor, layout: PagedLayout, indices: torch.Tensor
+    ) -> None:
+        k = self.kernels[gid]
+        wrapper.plan(
+            qo_indptr,
+            layout.indptr,
+            indices,
+            layout.last_page_len,
+            k.num_heads,
+            k.num_kv_heads,
+            k.head_dim,
+            self.page_size,
+            causal=True,
+            sm_scale=k.scale,
+            window_left=k.window_left,
+            logits_soft_cap=k.softcap,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+
+    def _plan_decode(self, wrapper: Any, gid: int, layout: PagedLayout, indices: torch.Tensor) -> None:
+        k = self.kernels[gid]
+        wrapper.plan(
+            layout.indptr,
+            indices,
+            layout.last_page_len,
+            k.num_heads,
+            k.num_kv_heads,
+            k.head_dim,
+            self.page_size,
+            window_left=k.window_left,
+            logits_soft_cap=k.softcap,
+            sm_scale=k.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+
+    # ---- decode graphs ---------------------------------------------------------------------------
+    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+        max_bs = max(batch_sizes)
+        # Every real row lists at most max_pages_per_row pages; each padding row lists one.
+        capacity = max_bs * (max_pages_per_row + 1)
+        for group in self.groups:
+            dummy = group.num_pages  # KVPool's dummy page
+            indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+            last = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+            indices = torch.full((capacity,), dummy, dtype=torch.int32, device=self.device)
+            wrappers = {
+                bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=self.decode_tensor_cores,
+                    backend=self.decode_backend,
+                    paged_kv_indptr_buffer=indptr[: bs + 1],
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last[:bs],
+                )
+                for bs in batch_sizes
+            }
+            self._graph[group.group_id] = _GraphBuffers(
+                out_loc=torch.full((max_bs,), dummy * self.page_size, dtype=torch.int64, device=self.device),
+                dummy_pages=torch.full((max_bs,), dummy, dtype=torch.int32, device=self.device),
+                wrappers=wrappers,
+            )
+
+    def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
+        self._wait_previous_plan()
+        real_bs = 0 if batch is None else batch.batch_size
+        pad = graph_bs - real_bs
+        for group in self.groups:
+            gid = group.group_id
+            bufs = self._graph[gid]
+            if batch is None:
+                layout = empty_layout()
+                indices = bufs.dummy_pages[:0]
+            else:
+                paging = batch.groups[gid]
+                layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
+                indices = kv_page_indices(
+                    paging.page_table, paging.kv_start, batch.seq_lens, self.page_size, layout.num_pages
+                )
+                bufs.out_loc[:real_bs].copy_(paging.out_cache_loc)
+            if pad:
+                # A larger batch may have left live slots here: padding must write only the dummy page.
+                bufs.out_loc[real_bs:graph_bs].fill_(group.num_pages * self.page_size)
+                indices = torch.cat([indices, bufs.dummy_pages[:pad]])
+            wrapper = bufs.wrappers[graph_bs]
+            self._plan_decode(wrapper, gid, pad_layout(layout, graph_bs).pin(), indices)
+            self._active[gid] = wrapper
+            self._out_loc[gid] = bufs.out_loc[:graph_bs]
+        self._record_plan()
+
+    # ---- running ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        layer: LayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool: KVPool,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        gid = pool.layer_group[layer.layer_id]
+        pool.store(layer.layer_id, self._out_loc[gid], k, v)
+        heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
+        result = self._active[gid].run(q.contiguous(), pool.paged_view(layer.layer_id), out=heads)
+        return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]
+
+
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    indptr = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lengths, 0)
+    return indptr

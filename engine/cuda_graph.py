@@ -1,0 +1,101 @@
+"""Full CUDA graphs for decode: the model body (embedding through final norm) per padded batch size."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.batch import ForwardBatch
+from tandem.engine.graph_buckets import decode_batch_sizes, padded_size
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.models.common import CausalLM, ForwardContext
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Capture on `stream` into the shared memory `pool`.
+
+    Unlike `torch.cuda.graph`, this skips the device synchronize, gc.collect and empty_cache that
+    it runs per capture: over the ~1000 piecewise graphs of a 28-layer model they cost seconds. The
+    callers synchronize once before capturing.
+    """
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
+class DecodeGraphRunner:
+    """One CUDA graph per padded decode batch size, captured largest first into one memory pool.
+
+    The graphs read token ids and positions from static buffers and the attention backend's fixed
+    metadata buffers, which `run` re-plans outside the graph before each replay. Padding rows read
+    and write only the KV pool's dummy page. Logits and sampling run after the graph, on the real
+    rows only, so graph outputs stay small (hidden states, not vocab-wide logits).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        pool: KVPool,
+        *,
+        max_bs: int,
+        max_pages_per_row: int,
+        device: torch.device,
+    ) -> None:
+        if not attention.supports_decode_graphs:
+            raise ValueError("decode CUDA graphs need an attention backend with fixed metadata buffers")
+        self.model = model
+        self.attention = attention
+        self.pool = pool
+        self.device = device
+        self.sizes = decode_batch_sizes(max_bs)
+        self.max_pages_per_row = max_pages_per_row
+        self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.attention.init_decode_graphs(self.sizes, self.max_pages_per_row)
+        memory = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        ctx = ForwardContext(self.attention, self.pool)
+        torch.cuda.synchronize(self.device)
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory
+            ids, pos = self.input_ids[:bs], self.positions[:bs]
+            self.attention.plan_decode_graph(None, bs)
+            stream.wait_stream(current)
+            # Warm up on the capture stream: lazy cuBLAS/NCCL setup and kernel JIT builds must not
+            # happen during capture.
+            with torch.cuda.stream(stream):
+                self.model(ids, pos, ctx)
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, memory, stream):
+                self.outputs[bs] = self.model(ids, pos, ctx)
+            self.graphs[bs] = graph
+            current.wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def padded_size(self, batch: ForwardBatch) -> int | None:
+        """The captured size for this batch, or None when it must run eagerly."""
+        return padded_size(batch.batch_size, self.sizes) if batch.is_decode else None
+
+    def run(self, batch: ForwardBatch, graph_bs: int) -> torch.Tensor:
+        """Final hidden states [B, hidden] of a decode batch, through the graph for `graph_bs`."""
+        n = batch.batch_size
+        self.attention.plan_decode_graph(batch, graph_bs)
+        # Stale ids/positions in padding rows are harmless: they are valid values from earlier batches.
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.graphs[graph_bs].replay()
+        return self.outputs[graph_bs][:n]

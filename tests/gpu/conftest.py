@@ -1,0 +1,173 @@
+"""Shared pieces of the GPU tests: model shapes, and a greedy comparison that tolerates bf16 near-ties.
+
+Two bf16 runs that pad batches differently (CUDA graphs, piecewise buckets) or group rows differently
+(overlap) use different GEMM and split-KV shapes, so their logits differ in the last bits and greedy
+decoding may pick the other token where the top two are tied to within rounding. A real bug (a wrong
+page, stale KV, a race) diverges where the top choice is clear. So two greedy runs "agree" when each
+sequence is identical, or first differs at a step where the other run's token is within `NEAR_TIE`
+nats of the reference's in the reference's own top logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.engine.batch import AttentionGroupBatch, ForwardBatch, SamplingBatch
+
+# Real models' shapes, shrunk in depth (and vocab: the tiny tokenizer has 512 tokens).
+QWEN3_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+GEMMA3_SHAPE: dict[str, Any] = {  # 5 sliding-window layers, then 1 global (Gemma 3's pattern)
+    "hidden_size": 1152,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 32,  # small, so short tests evict pages
+}
+GEMMA2_SHAPE: dict[str, Any] = {  # attention soft-capping, alternating window/global layers
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "query_pre_attn_scalar": 128,
+    "sliding_window": 32,
+}
+SHAPES = {"qwen3": QWEN3_SHAPE, "gemma3": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE}
+NEAR_TIE = 0.15  # nats
+
+
+@pytest.fixture(scope="session")
+def gpu_model_dir(tiny_model_dir: Callable[..., Path]) -> Callable[[str], Path]:
+    """`gpu_model_dir(family) -> Path`: a bf16-sized random model of that family's real shape."""
+
+    def build(family: str) -> Path:
+        return tiny_model_dir(family, **SHAPES[family])
+
+    return build
+
+
+def greedy_disagreements(reference: list[Any], other: list[Any]) -> list[str]:
+    """Why `other` does not agree with `reference` (RequestOutputs with top logprobs); [] if it does."""
+    problems = []
+    for i, (ref, out) in enumerate(zip(reference, other)):
+        if ref.token_ids == out.token_ids:
+            continue
+        step = next((j for j, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), None)
+        if step is None:
+            problems.append(f"prompt {i}: lengths {len(ref.token_ids)} vs {len(out.token_ids)}")
+            continue
+        top = dict(ref.top_logprobs[step])
+        chosen, alternative = ref.token_ids[step], out.token_ids[step]
+        gap = top[chosen] - top[alternative] if alternative in top else float("inf")
+        if gap > NEAR_TIE:
+            problems.append(
+                f"prompt {i}: step {step} took {alternative} over {chosen}, {gap:.3f} nats behind"
+            )
+    return problems
+
+
+@pytest.fixture
+def assert_same_greedy() -> Callable[[list[Any], list[Any]], None]:
+    def check(reference: list[Any], other: list[Any]) -> None:
+        assert len(reference) == len(other)
+        problems = greedy_disagreements(reference, other)
+        assert not problems, "\n".join(problems)
+        # Near-ties are rare with these peaked random weights; many would hint at a real problem.
+        differing = sum(a.token_ids != b.token_ids for a, b in zip(reference, other))
+        assert differing <= max(1, len(reference) // 4), f"{differing} of {len(reference)} sequences differ"
+
+    return check
+
+
+def greedy_sampling(batch: int, device: torch.device) -> SamplingBatch:
+    zeros = torch.zeros(batch, device=device)
+    return SamplingBatch(
+        temperature=zeros,
+        top_p=torch.ones(batch, device=device),
+        top_k=torch.zeros(batch, dtype=torch.int64, device=device),
+        min_p=zeros,
+        seeds=torch.zeros(batch, dtype=torch.int64, device=device),
+        steps=torch.zeros(batch, dtype=torch.int64, device=device),
+        presence_penalty=zeros,
+        frequency_penalty=zeros,
+        repetition_penalty=torch.ones(batch, device=device),
+        all_greedy=True,
+    )
+
+
+STALE_PAGE = 0  # tables never use page 0 for live tokens; evicted entries point at it
+
+
+def build_batch(
+    ids: list[list[int]],
+    spans: list[tuple[int, int]],
+    tables: torch.Tensor,
+    windows: list[int | None],
+    page_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """Row b computes tokens [start, end) of ids[b] over the pages in tables[b] (host int32, the same
+    page ids in every KV group). In a window group, kv_start is where the scheduler would evict to,
+    and the table entries below it are stale: they point at STALE_PAGE."""
+    starts = [s for s, _ in spans]
+    ends = [e for _, e in spans]
+    pos = torch.cat([torch.arange(s, e) for s, e in spans])
+    row_of = torch.cat([torch.full((e - s,), b) for b, (s, e) in enumerate(spans)])
+    loc = tables[row_of, pos // page_size].long() * page_size + pos % page_size
+    groups = []
+    for window in windows:
+        keep = [0 if window is None else max(0, s - window + 1) // page_size * page_size for s in starts]
+        table = tables.clone()
+        for b, k in enumerate(keep):
+            table[b, : k // page_size] = STALE_PAGE
+        kv_start = torch.tensor(keep, dtype=torch.int32)
+        groups.append(
+            AttentionGroupBatch(table.to(device), kv_start.to(device), loc.to(device), kv_start, table)
+        )
+    seq = torch.tensor(ends, dtype=torch.int32)
+    ext = torch.tensor([e - s for s, e in spans], dtype=torch.int32)
+    tokens = torch.tensor([t for r, (s, e) in zip(ids, spans) for t in r[s:e]], dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=tokens.to(device),
+        positions=pos.to(device),
+        seq_lens=seq.to(device),
+        extend_lens=ext.to(device),
+        seq_lens_cpu=seq,
+        extend_lens_cpu=ext,
+        groups=tuple(groups),
+        sampling=greedy_sampling(len(spans), device),
+        is_decode=bool((ext == 1).all()),
+    )
+
+
+def row_tables(num_rows: int, width: int, num_pages: int, seed: int) -> torch.Tensor:
+    """Disjoint, shuffled pages (never page 0) for each row: int32 [rows, width]."""
+    g = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(num_pages - 1, generator=g)[: num_rows * width] + 1
+    return pages.view(num_rows, width).to(torch.int32)
+
+
+@pytest.fixture
+def make_batch() -> Callable[..., ForwardBatch]:
+    return build_batch
+
+
+@pytest.fixture
+def make_tables() -> Callable[..., torch.Tensor]:
+    return row_tables

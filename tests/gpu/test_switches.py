@@ -1,0 +1,84 @@
+"""Issue 6: the same greedy tokens whatever the switches: overlap, copy stream, decode CUDA graphs,
+piecewise CUDA graphs, attention backend, chunked prefill (ties within bf16 rounding excepted; see
+conftest)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# Small pools and capture ranges keep each engine quick to build; batches still hit every path.
+BASE: dict[str, Any] = {
+    "device": "cuda",
+    "num_pages": 512,
+    "cuda_graph_max_bs": 16,
+    "piecewise_max_tokens": 1024,
+}
+OFF: dict[str, Any] = {
+    "overlap": False,
+    "cuda_graph": False,
+    "piecewise_cuda_graph": False,
+    "copy_stream": False,
+}
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5)
+SETTINGS: list[dict[str, Any]] = [
+    {},  # everything on: overlap, copy stream, decode graphs, piecewise graphs, flashinfer
+    {"copy_stream": False},
+    {"cuda_graph": False},
+    {"piecewise_cuda_graph": False},
+    {"overlap": False},
+    {"chunk_size": 64},  # chunked prefill: decode rows ride along in piecewise-graph batches
+    {"attention_backend": "torch"},  # piecewise graphs around the reference attention
+]
+
+
+def prompts(vocab: int, n: int = 12, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 300, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+def run(model_dir: Path, batch: list[list[int]], **options: Any) -> list[Any]:
+    llm = LLM(str(model_dir), **{**BASE, **options})
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert llm.stats()["kv_pages_used"] == 0
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outs
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def reference(
+    request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
+) -> tuple[Path, list[list[int]], list[Any]]:
+    model_dir = gpu_model_dir(request.param)
+    batch = prompts(512)
+    return model_dir, batch, run(model_dir, batch, **OFF)
+
+
+@pytest.mark.parametrize(
+    "setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "all-on"
+)
+def test_greedy_is_the_same_under_every_switch(
+    reference: tuple[Path, list[list[int]], list[Any]],
+    setting: dict[str, Any],
+    assert_same_greedy: Callable[[list[Any], list[Any]], None],
+) -> None:
+    model_dir, batch, expected = reference
+    outs = run(model_dir, batch, **setting)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert_same_greedy(expected, outs)
