@@ -58,7 +58,9 @@ def main() -> None:
     channel.close()
     warm = sorted(times[len(times) // 10 :])
     pct = {p: warm[int(len(warm) * p / 100) - 1] * 1e3 for p in (50, 90, 99)}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     result = {
         "benchmark": "channel_round_trip",
         "device": f"CPU only ({platform.processor() or platform.machine()}, {mp.cpu_count()} cores)",

@@ -24,7 +24,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def git_commit() -> str:
-    """Short HEAD hash, with "-dirty" when tracked files differ from it."""
+    """Short HEAD hash, with "-dirty" when tracked files differ from it.
+
+    GPU hosts get a copy of the tree without .git, so TANDEM_COMMIT (set in the device command from
+    the checkout that was sent) takes precedence.
+    """
+    given = os.environ.get("TANDEM_COMMIT")
+    if given:
+        return given
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:

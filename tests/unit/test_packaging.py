@@ -13,7 +13,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_wheel_has_every_package_and_data_file(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
     )
     wheel = next(tmp_path.glob("tandem-*.whl"))
@@ -35,14 +46,17 @@ def test_wheel_has_every_package_and_data_file(tmp_path: Path) -> None:
 
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
     )
     code = (
         "import tandem, tandem.engine.tiny as t; from tandem import LLM, SamplingParams;"
         "print(tandem.__file__); print(len(t.load_tiny_tokenizer()))"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     file_line, vocab_line = out.stdout.split()
     assert file_line.startswith(str(target))
     assert int(vocab_line) == 512

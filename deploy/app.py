@@ -1,0 +1,125 @@
+"""`build_app(args)`: the Serve application of a serve config (`import_path: tandem.deploy.app:build_app`).
+
+Two deployments:
+- `LLMServer`, one replica per TP group, each in a placement group of `tp_size` rank bundles with the
+  replica actor's own CPU merged into bundle 0 (STRICT_PACK by default). It carries the user's
+  `num_replicas` / `autoscaling_config`, `max_ongoing_requests` and `max_queued_requests`.
+- `OpenAIIngress`, the FastAPI ingress. It is sized to admit every request the LLMServer replicas can run
+  or queue, so overload is detected at its handle to `LLMServer` (where it becomes an OpenAI-shaped 503)
+  rather than at the proxy (which would answer in plain text).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from ray.serve import Application
+from ray.serve.deployment import Deployment
+
+from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
+from tandem.deploy.ingress import OpenAIIngress
+from tandem.deploy.server import LLMServer
+
+REPLICA_CPUS = 1.0  # the LLMServer actor itself: tokenizing, detokenizing, the request streams
+INGRESS_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
+DRAIN_TIMEOUT_S = 30.0
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    device = resolve_device(app_args)
+    served = app_args.resolved_served_model_name()
+    server = (
+        cast(Deployment, LLMServer)
+        .options(**llm_server_options(app_args, device))
+        .bind(
+            app_args.model,
+            served,
+            tp_size=app_args.tp_size,
+            device=device,
+            engine=app_args.engine.to_llm_kwargs(),
+            placement_strategy=app_args.placement_strategy,
+            cpus_per_rank=app_args.cpus_per_rank,
+            drain_timeout_s=DRAIN_TIMEOUT_S,
+        )
+    )
+    return (
+        cast(Deployment, OpenAIIngress)
+        .options(**ingress_options(app_args))
+        .bind(server, served, app_args.model or TINY_MODEL_NAME)
+    )
+
+
+def resolve_device(args: AppArgs) -> str:
+    """'cpu' or 'cuda'. The placement bundles need to know now whether ranks take a GPU.
+
+    'auto' is CPU for the embedded tiny model; otherwise CUDA when the Ray cluster (or, without one, this
+    machine) has a GPU. A cluster whose GPU nodes autoscale from zero shows none yet: set `device: cuda`.
+    """
+    if args.device != "auto":
+        return args.device
+    if args.model is None:
+        return "cpu"
+    import ray
+
+    if ray.is_initialized():
+        gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call,unused-ignore]
+        return "cuda" if gpus > 0 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def placement_bundles(args: AppArgs, device: str) -> list[dict[str, float]]:
+    bundles = [args.rank_bundle(use_gpu=device == "cuda") for _ in range(args.tp_size)]
+    bundles[0]["CPU"] = bundles[0].get("CPU", 0.0) + REPLICA_CPUS
+    return bundles
+
+
+def max_llm_replicas(args: AppArgs) -> int:
+    if args.autoscaling_config is not None:
+        return args.autoscaling_config.max_replicas
+    return args.num_replicas or 1
+
+
+def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "ray_actor_options": {"num_cpus": REPLICA_CPUS},
+        "placement_group_bundles": placement_bundles(args, device),
+        "placement_group_strategy": args.placement_strategy,
+        # Loading weights (and capturing graphs) takes a while; let drain finish before Serve kills it.
+        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S + 10.0,
+        "health_check_period_s": 10.0,
+        "health_check_timeout_s": 30.0,
+    }
+    if args.autoscaling_config is not None:
+        options["autoscaling_config"] = args.autoscaling_config.to_serve_config()
+    else:
+        options["num_replicas"] = args.num_replicas or 1
+    return options
+
+
+def ingress_options(args: AppArgs) -> dict[str, Any]:
+    replicas = max_llm_replicas(args)
+    running = replicas * args.max_ongoing_requests
+    # max_queued_requests is enforced per caller (each ingress replica's handle), so each ingress
+    # replica must admit what it may queue on top of what all LLM replicas run.
+    queued = args.max_queued_requests if args.max_queued_requests >= 0 else running
+    options: dict[str, Any] = {
+        "max_ongoing_requests": running + queued + INGRESS_SLACK,
+        "max_queued_requests": -1,
+        # Parsing JSON and relaying chunks is light and I/O bound; reserving no CPU keeps a 2-core
+        # `serve run` of the tiny model schedulable.
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    if replicas > 1:
+        options["autoscaling_config"] = {
+            "min_replicas": 1,
+            "max_replicas": replicas,
+            "target_ongoing_requests": float(args.max_ongoing_requests),
+        }
+    else:
+        options["num_replicas"] = 1
+    return options

@@ -1,0 +1,82 @@
+"""The `tandem` command: `tandem serve ...` and `tandem bench offline|online ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+DEFAULT_PORT = 8000
+DEFAULT_METRICS_PORT = 8080
+DEFAULT_APP_NAME = "tandem"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="An LLM serving cluster on Ray.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+
+    serve = commands.add_parser(
+        "serve",
+        help="Serve a model with an OpenAI-compatible API on Ray Serve.",
+        description="Join the running Ray cluster (or start one), deploy, print the URL and block. "
+        "With no --model (and no model in --config) it serves the embedded tiny model on CPU.",
+    )
+    # Defaults of None mean "not given", so values from --config are only overridden by explicit flags.
+    serve.add_argument("--model", help="Hugging Face hub id or local model directory.")
+    serve.add_argument("--tp", type=_positive_int, help="Tensor-parallel degree (GPUs per replica).")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Device of the rank actors.")
+    serve.add_argument("--served-model-name", help="Model name clients use (default: --model).")
+    serve.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1).")
+    serve.add_argument("--port", type=_port, default=None, help=f"HTTP port (default {DEFAULT_PORT}).")
+    serve.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=DEFAULT_METRICS_PORT,
+        help="Ray's Prometheus metrics export port, when this command starts Ray "
+        f"(default {DEFAULT_METRICS_PORT}).",
+    )
+    serve.add_argument(
+        "--config",
+        help="A serve config YAML (its tandem application's args and http_options are used) "
+        "or a YAML of the application args alone.",
+    )
+    serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
+    serve.add_argument(
+        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one)."
+    )
+
+    bench = commands.add_parser("bench", help="Run the benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="{offline,online}")
+    kinds.add_parser("offline", help="Offline throughput of the LLM API.")
+    kinds.add_parser("online", help="Online serving load against a running server.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from tandem.deploy.serve_command import run_serve
+
+        return run_serve(args)
+    if args.command == "bench":
+        print(f"tandem bench {args.bench_kind}: not implemented yet", file=sys.stderr)
+        return 2
+    return 2  # argparse rejects unknown commands before this
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with their HTTP status.
+
+Every failure a client can see goes through `OpenAIError`, so HTTP and the handle API report the same
+body; only HTTP adds the status line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class OpenAIError(Exception):
+    """A failure to report to the client: an HTTP status plus the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Ray pickles exceptions across processes; keep the keyword-only fields.
+        return (_rebuild, (self.status, self.message, self.type, self.param, self.code))
+
+
+def _rebuild(status: int, message: str, type: str, param: str | None, code: str | None) -> OpenAIError:
+    return OpenAIError(status, message, type=type, param=param, code=code)
+
+
+def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, served: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model '{model}' does not exist; this server serves '{served}'.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def overloaded(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="overloaded")
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
+def internal_error(message: str = "internal server error") -> OpenAIError:
+    return OpenAIError(500, message, type="server_error", code="internal_error")
+
+
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
+    """A 400 for pydantic / FastAPI validation errors, naming the first offending field.
+
+    FastAPI reports a body that is not JSON as a validation error of type `json_invalid`; it becomes a
+    400 with code `invalid_json` instead of FastAPI's default 422.
+    """
+    if not errors:
+        return invalid_request("invalid request body")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        message = next(e.get("msg", "") for e in errors if e.get("type") == "json_invalid")
+        return invalid_request(f"the body is not valid JSON: {message}", code="invalid_json")
+    # A union reports one error per member (e.g. `stop` as a string, and as a list of strings); the
+    # deepest one is the member the client meant, e.g. `stop.0` for `"stop": [""]`.
+    # Prefer a value error (a range, a length) over "wrong type", then the deepest: for `"prompt": [1, -1]`
+    # that is `prompt.1` being negative, not `prompt` failing to be a string.
+    first = max(errors, key=lambda e: (not str(e.get("type", "")).endswith("_type"), len(_field_path(e))))
+    param = ".".join(_field_path(first)) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is not None:
+        message = f"{param}: {message}"
+    # Other members of the same union are noise; other fields are worth naming.
+    others = sorted(
+        {path[0] for path in map(_field_path, errors) if path} - {param.split(".")[0] if param else ""}
+    )
+    if others:
+        message += f" (also invalid: {', '.join(others)})"
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return invalid_request(message, param=param, code=code)
+
+
+def _field_path(error: Mapping[str, Any]) -> list[str]:
+    # Union members add their type name to `loc` (e.g. "prompt.str"); keep the user's field path only.
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    return [part for part in loc if not _is_type_tag(part)]
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in {"str", "int", "float", "bool", "list[str]", "list[int]", "dict"} or part.startswith(
+        ("list[", "function-", "constrained-", "json-or-python")
+    )

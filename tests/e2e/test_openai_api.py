@@ -1,0 +1,237 @@
+"""Issue 5: the OpenAI API on a real Ray Serve app (CPU): the official SDK, the handle API, concurrency,
+metrics. One app for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tandem.deploy.metrics import EXPORTED_PREFIX, METRIC_NAMES
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+CHAT = [{"role": "user", "content": "Tell me about foxes."}]
+
+
+@pytest.fixture(scope="module")
+def app(serve_app_context, tiny_model_dir) -> Iterator[Any]:  # type: ignore[no-untyped-def]
+    model = str(tiny_model_dir("qwen3"))
+    args = {
+        "model": model,
+        "served_model_name": "tiny-e2e",
+        "device": "cpu",
+        "engine": {"page_size": 4},
+        "max_ongoing_requests": 16,
+        "max_queued_requests": 64,
+    }
+    with serve_app_context(args) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> Any:  # type: ignore[no-untyped-def]
+    return AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def client(app: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy_text(client: openai.OpenAI, app: Any) -> str:
+    out = client.completions.create(model=app.served_model_name, prompt=PROMPT, max_tokens=24, temperature=0)
+    return out.choices[0].text
+
+
+def aclient(app: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{app.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_sync_completion_usage_and_logprobs(client: openai.OpenAI, app: Any, tokenizer: Any) -> None:
+    out = client.completions.create(
+        model=app.served_model_name, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+    )
+    choice = out.choices[0]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert out.usage.completion_tokens == len(choice.logprobs.tokens) >= 1
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert choice.logprobs.top_logprobs is not None
+    # A dict by token string: byte tokens that each decode to U+FFFD collapse, so >= 1, not == 2.
+    assert len(choice.logprobs.top_logprobs) == len(choice.logprobs.tokens)
+    assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    assert choice.finish_reason in ("stop", "length")
+
+
+def test_sync_chat_stream_matches_non_stream(client: openai.OpenAI, app: Any) -> None:
+    kwargs: dict[str, Any] = {
+        "model": app.served_model_name,
+        "messages": CHAT,
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    full = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert full.usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens > len(CHAT[0]["content"]) // 10
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_async_completion_stream_and_chat(app: Any) -> None:
+    async def run() -> tuple[str, str, Any, Any]:
+        client = aclient(app)
+        streamed = ""
+        stream = await client.completions.create(
+            model=app.served_model_name, prompt=PROMPT, max_tokens=10, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            streamed += chunk.choices[0].text
+        full = await client.completions.create(
+            model=app.served_model_name, prompt=PROMPT, max_tokens=10, temperature=0
+        )
+        chat = await client.chat.completions.create(model=app.served_model_name, messages=CHAT, max_tokens=6)
+        await client.close()
+        return streamed, full.choices[0].text, full, chat
+
+    streamed, text, full, chat = asyncio.run(run())
+    assert streamed == text
+    assert full.usage.completion_tokens >= 1
+    assert chat.choices[0].message.role == "assistant"
+    assert 1 <= chat.usage.completion_tokens <= 6
+
+
+def test_n_gives_distinct_indexed_choices(client: openai.OpenAI, app: Any) -> None:
+    chat = client.chat.completions.create(
+        model=app.served_model_name, messages=CHAT, max_tokens=8, n=2, seed=7, temperature=1.0
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    tokens = chat.usage.completion_tokens if chat.usage else 0
+    assert tokens >= 2
+    completion = client.completions.create(
+        model=app.served_model_name, prompt=PROMPT, max_tokens=4, n=2, seed=7
+    )
+    assert sorted(c.index for c in completion.choices) == [0, 1]
+    again = client.completions.create(model=app.served_model_name, prompt=PROMPT, max_tokens=4, n=2, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in completion.choices]  # seeded: repeatable
+
+
+def test_chat_logprobs(client: openai.OpenAI, app: Any) -> None:
+    out = client.chat.completions.create(
+        model=app.served_model_name, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and out.usage is not None
+    assert len(content) == out.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+
+
+def test_stop_string_ends_text_before_it(client: openai.OpenAI, app: Any, greedy_text: str) -> None:
+    # A stop string from the middle of the greedy text, likely spanning a token boundary.
+    start = next(
+        i
+        for i in range(3, len(greedy_text) - 3)
+        if "\ufffd" not in greedy_text[i : i + 3] and greedy_text.find(greedy_text[i : i + 3]) == i
+    )
+    stop = greedy_text[start : start + 3]
+    out = client.completions.create(
+        model=app.served_model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == greedy_text[:start]
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=app.served_model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == greedy_text[:start]
+
+
+def test_handle_calls_return_what_http_returns(app: Any) -> None:
+    body: dict[str, Any] = {
+        "model": app.served_model_name,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+    http = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=60).json()
+    plain = app.handle.completions.remote(body).result(timeout_s=60)
+    assert plain["choices"][0]["text"] == http["choices"][0]["text"]
+    assert plain["usage"] == http["usage"]
+    streamed = list(app.handle.options(stream=True).completions.remote({**body, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in streamed) == http["choices"][0]["text"]
+
+    chat: dict[str, Any] = {"messages": CHAT, "max_tokens": 10, "temperature": 0}
+    http_chat = httpx.post(f"{app.base_url}/v1/chat/completions", json=chat, timeout=60).json()
+    plain_chat = app.handle.chat_completions.remote(chat).result(timeout_s=60)
+    assert plain_chat["choices"][0]["message"] == http_chat["choices"][0]["message"]
+    chunks = list(app.handle.options(stream=True).chat_completions.remote({**chat, "stream": True}))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == http_chat["choices"][0]["message"]["content"]
+
+    stats = app.handle.stats.remote().result(timeout_s=30)
+    for key in ("kv_pages_total", "kv_pages_used", "kv_pages_cached", "num_running", "num_waiting"):
+        assert key in stats
+    assert stats["num_replicas"] == 1 and stats["kv_pages_total"] > 0
+
+
+def test_sse_framing(app: Any) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{app.base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["x-accel-buffering"] == "no"
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+
+
+def test_64_concurrent_streams_complete(app: Any) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await client.completions.create(
+            model=app.served_model_name, prompt=f"{PROMPT} {i}", max_tokens=16, stream=True
+        )
+        finish = None
+        async for chunk in stream:
+            finish = chunk.choices[0].finish_reason or finish
+        return finish
+
+    async def run() -> list[str | None]:
+        client = aclient(app)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    finishes = asyncio.run(run())
+    assert len(finishes) == 64
+    assert all(f in ("stop", "length") for f in finishes), finishes
+
+
+def test_metrics_are_exported(client: openai.OpenAI, app: Any) -> None:
+    long_prompt = PROMPT * 6  # sent twice, so the radix cache reports prefix hits
+    for _ in range(2):
+        client.completions.create(model=app.served_model_name, prompt=long_prompt, max_tokens=4)
+    wanted = {EXPORTED_PREFIX + name for name in METRIC_NAMES}
+    deadline, missing = time.monotonic() + 30.0, wanted
+    while missing and time.monotonic() < deadline:
+        url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        missing = {name for name in wanted if f"\n{name}" not in text and f"\n# TYPE {name} " not in text}
+        if missing:
+            time.sleep(1.0)
+    assert not missing, f"not exported: {sorted(missing)}"

@@ -1,0 +1,148 @@
+"""Issue 5: the app builder's deployment options, the example configs, stats, metrics and the docs."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import pytest
+import yaml
+from ray.serve import Application
+
+from tandem.deploy.app import (
+    INGRESS_SLACK,
+    REPLICA_CPUS,
+    build_app,
+    ingress_options,
+    llm_server_options,
+    placement_bundles,
+    resolve_device,
+)
+from tandem.deploy.args import AppArgs, AutoscalingArgs, EngineArgs
+from tandem.deploy.metrics import METRIC_NAMES, ServingMetrics
+from tandem.deploy.stats import aggregate_stats
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "deploy", "configs", "*.yaml")))
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(REPO, *parts)) as handle:
+        return handle.read()
+
+
+def _config_args(name: str) -> dict[str, Any]:
+    (app,) = yaml.safe_load(_read("deploy", "configs", name))["applications"]
+    return dict(app["args"])
+
+
+def test_placement_merges_the_replica_cpu_into_bundle_0() -> None:
+    args = AppArgs(model="m", tp_size=2, cpus_per_rank=1.5, accelerator_type="H100")
+    bundles = placement_bundles(args, "cuda")
+    assert bundles[0] == {"CPU": 1.5 + REPLICA_CPUS, "GPU": 1.0, "accelerator_type:H100": 0.001}
+    assert bundles[1] == {"CPU": 1.5, "GPU": 1.0, "accelerator_type:H100": 0.001}
+    assert placement_bundles(AppArgs(tp_size=3), "cpu") == [{"CPU": 2.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_llm_server_options_carry_the_user_settings() -> None:
+    fixed = llm_server_options(AppArgs(max_ongoing_requests=7, max_queued_requests=9), "cpu")
+    assert (fixed["max_ongoing_requests"], fixed["max_queued_requests"], fixed["num_replicas"]) == (7, 9, 1)
+    assert fixed["placement_group_strategy"] == "STRICT_PACK"
+    assert fixed["ray_actor_options"] == {"num_cpus": REPLICA_CPUS}
+    scaled = AppArgs(
+        autoscaling_config=AutoscalingArgs(min_replicas=0, max_replicas=3), placement_strategy="PACK"
+    )
+    options = llm_server_options(scaled, "cuda")
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"]["max_replicas"] == 3
+    assert options["placement_group_strategy"] == "PACK"
+    assert AppArgs().max_ongoing_requests < 10_000  # unlike Ray Serve LLM's 1e9 default
+
+
+def test_ingress_admits_everything_the_llm_servers_run_or_queue() -> None:
+    one = ingress_options(AppArgs(max_ongoing_requests=16, max_queued_requests=64))
+    assert one["max_ongoing_requests"] == 16 + 64 + INGRESS_SLACK and one["num_replicas"] == 1
+    assert one["max_queued_requests"] == -1  # overload is detected at the LLMServer handle, not the proxy
+    many = ingress_options(
+        AppArgs(
+            max_ongoing_requests=8, max_queued_requests=-1, autoscaling_config=AutoscalingArgs(max_replicas=4)
+        )
+    )
+    assert many["max_ongoing_requests"] == 2 * 4 * 8 + INGRESS_SLACK
+    assert many["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_device_resolution() -> None:
+    assert resolve_device(AppArgs()) == "cpu"  # the embedded tiny model runs on CPU
+    assert resolve_device(AppArgs(model="m", device="cuda")) == "cuda"
+    assert resolve_device(AppArgs(model="m", device="cpu")) == "cpu"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_example_configs_build(path: str) -> None:
+    (app,) = yaml.safe_load(_read(path))["applications"]
+    assert app["import_path"] == "tandem.deploy.app:build_app"
+    args = AppArgs.model_validate(app["args"])
+    assert isinstance(build_app(args.model_copy(update={"device": "cpu"})), Application)
+
+
+def test_the_example_configs_cover_the_documented_shapes() -> None:
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"cpu-tiny.yaml", "gpu-1.yaml", "tp2.yaml", "tp8-autoscaling.yaml"} <= names
+    tp8 = AppArgs.model_validate(_config_args("tp8-autoscaling.yaml"))
+    assert tp8.tp_size == 8 and tp8.autoscaling_config is not None
+    assert "model" not in _config_args("cpu-tiny.yaml")
+
+
+def test_docs_document_every_field() -> None:
+    text = _read("docs", "serve-config.md")
+    for model in (AppArgs, EngineArgs, AutoscalingArgs):
+        for name in model.model_fields:
+            assert f"`{name}`" in text, f"docs/serve-config.md does not document {model.__name__}.{name}"
+    for metric in METRIC_NAMES:
+        assert metric in text
+
+
+def test_aggregate_stats() -> None:
+    def replica(used: int, per_group: list[int], peak: list[int]) -> dict[str, Any]:
+        return {
+            "kv_pages_used": used,
+            "kv_pages_used_per_group": per_group,
+            "kv_pages_peak_per_group": peak,
+            "kv_group_windows": [0, 4],
+        }
+
+    per_replica = [replica(2, [2, 1], [5, 1]), replica(3, [3, 0], [4, 2])]
+    total = aggregate_stats(per_replica)
+    assert total["kv_pages_used"] == 5 and total["kv_pages_used_per_group"] == [5, 1]
+    assert total["kv_pages_peak_per_group"] == [5, 2] and total["kv_group_windows"] == [0, 4]
+    assert total["num_replicas"] == 2
+    assert aggregate_stats([]) == {"num_replicas": 0}
+
+
+class _Recorder:
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        self.name, self.values = name, []
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.values.append(value)
+
+    set = observe = inc
+
+
+def test_serving_metrics_turn_cumulative_stats_into_increments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.util import metrics
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(metrics, kind, _Recorder)
+    recorder = ServingMetrics("tiny")
+    assert sorted(m.name for m in vars(recorder).values() if isinstance(m, _Recorder)) == sorted(METRIC_NAMES)
+    for hits in (0, 5, 5, 9, 2):  # 2 < 9: the replica restarted its counter
+        recorder.engine_stats({"kv_pages_total": 10, "kv_pages_used": 4, "prefix_cache_hit_tokens": hits})
+    assert recorder._prefix_hits.values == [5, 4]  # type: ignore[attr-defined]
+    assert recorder._kv_usage.values[-1] == 0.4  # type: ignore[attr-defined]
+    recorder.inter_token(0.3, 3)
+    assert recorder._itl.values == pytest.approx([0.1, 0.1, 0.1])  # type: ignore[attr-defined]
+    recorder.generation_tokens(0)  # a Ray Counter rejects 0: nothing is recorded
+    assert recorder._generation.values == []  # type: ignore[attr-defined]

@@ -1,0 +1,276 @@
+"""Issue 5: the OpenAI service and the LLMServer request path, in process, over a scripted replica.
+
+No Ray here: `GenerationService` runs on `FakeReplica`, and `OpenAIService` talks to it through an
+in-process backend, so protocol logic (usage, n, logprobs, SSE, errors, cancellation) is tested fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem.deploy.errors import OpenAIError, overloaded
+from tandem.deploy.generation import GenerationService
+from tandem.deploy.http import build_http_app
+from tandem.deploy.jobs import GenerateJob, JobEvent
+from tandem.deploy.metrics import NullMetrics
+from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.deploy.service import OpenAIService
+from tandem.engine.tiny import load_tiny_tokenizer
+from tandem.replicas.chunks import GenerationChunk
+from tandem.scheduler.sampling_params import SamplingParams
+
+MODEL = "fake"
+
+
+class FakeReplica:
+    """Yields one token per chunk: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `."""
+
+    max_model_len = 64
+
+    def __init__(self, failure: str | None = None) -> None:
+        self.tokenizer = load_tiny_tokenizer()
+        self.failure = failure
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.prompts: list[list[int]] = []
+
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        total = prompt_len + max_tokens
+        return None if total <= self.max_model_len else f"{total} tokens exceed the context of 64"
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        sampling.validate()
+        if 13 in prompt_token_ids:
+            raise ValueError("token 13 is unlucky")
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        rid = request_id or "r"
+        self.prompts.append(prompt_token_ids)
+        self.active.add(rid)
+        finished = False
+        try:
+            for step in range(sampling.max_tokens):
+                await asyncio.sleep(0)
+                if self.failure is not None and step == 1:
+                    finished = True
+                    yield GenerationChunk(rid, finish_reason="error", error=self.failure)
+                    return
+                token = (sum(prompt_token_ids) + step + (sampling.seed or 0)) % 200 + 3
+                last = step == sampling.max_tokens - 1
+                top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
+                yield GenerationChunk(
+                    rid,
+                    [token],
+                    text=f"t{token} ",
+                    logprobs=[-0.5] if sampling.logprobs is not None else None,
+                    top_logprobs=[top] if sampling.logprobs is not None else None,
+                    finish_reason="length" if last else None,
+                    prompt_tokens=len(prompt_token_ids),
+                    completion_tokens=step + 1,
+                )
+            finished = True
+        finally:
+            self.active.discard(rid)
+            if not finished:
+                self.aborted.append(rid)
+
+
+class InProcessBackend:
+    def __init__(self, replica: FakeReplica, fail_with: OpenAIError | None = None) -> None:
+        self.generation = GenerationService(replica, NullMetrics())
+        self.fail_with = fail_with
+
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        async for event in self.generation.run(job):
+            yield event
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        return [{"kv_pages_used": 1, "num_running": 2, "kv_pages_used_per_group": [1]}] * 2
+
+    async def replica_health(self) -> list[str | None]:
+        return [None, "rank 1 is dead"]
+
+
+def make(replica: FakeReplica | None = None, **kwargs: Any) -> tuple[OpenAIService, FakeReplica]:
+    replica = replica or FakeReplica()
+    return OpenAIService(InProcessBackend(replica, **kwargs), MODEL), replica
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def collect(stream: Any) -> list[dict[str, Any]]:
+    return [chunk async for chunk in stream]
+
+
+def test_completion_usage_logprobs_and_n() -> None:
+    service, replica = make()
+    body = CompletionRequest(prompt=["a b", "c"], max_tokens=3, n=2, logprobs=2, seed=1)
+    out = run(service.completions(body))
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    prompt_tokens = sum(len(replica.tokenizer.encode(p)) for p in ["a b", "c"])
+    assert out["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 12,
+        "total_tokens": prompt_tokens + 12,
+    }
+    first = out["choices"][0]
+    assert first["finish_reason"] == "length" and first["text"].count("t") == 3
+    logprobs = first["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == 3
+    assert all(1 <= len(top) <= 3 for top in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    # n seeded choices of one prompt differ (distinct seeds), and repeat across calls.
+    assert out["choices"][0]["text"] != out["choices"][1]["text"]
+    assert run(service.completions(body))["choices"] == out["choices"]
+
+
+def test_chat_stream_chunks_and_usage() -> None:
+    service, _ = make()
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+         "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
+    )  # fmt: skip
+    chunks = run(collect(run_stream(service.chat_completions(request))))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(content) == 4  # one chunk per token: nothing is held back to batch
+    assert all(len(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2 for c in content)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def run_stream(coro: Any) -> Any:
+    async def stream() -> AsyncGenerator[dict[str, Any], None]:
+        async for chunk in await coro:
+            yield chunk
+
+    return stream()
+
+
+def test_chat_default_max_tokens_fills_the_context() -> None:
+    service, replica = make()
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    out = run(service.chat_completions(request))
+    prompt = out["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] == replica.max_model_len - prompt
+    rendered = replica.tokenizer.decode(replica.prompts[-1])
+    assert rendered.startswith("<|im_start|>user\nhi") and rendered.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"prompt": "a " * 70, "max_tokens": 1}, "context_length_exceeded"),
+        ({"prompt": "a", "max_tokens": 64}, "context_length_exceeded"),
+        ({"prompt": [1, 2, 10_000]}, "invalid_value"),
+        ({"prompt": ""}, "invalid_value"),
+        ({"prompt": [1, 13]}, "invalid_value"),  # the replica's own validation
+    ],
+)
+def test_rejections_are_400_before_any_generation(body: dict[str, Any], code: str) -> None:
+    service, replica = make()
+    with pytest.raises(OpenAIError) as info:
+        run(service.completions(CompletionRequest.model_validate(body)))
+    assert info.value.status == 400 and info.value.code == code
+    assert replica.prompts == []  # nothing reached the replica
+
+
+def test_unknown_model_and_backpressure() -> None:
+    service, _ = make()
+    with pytest.raises(OpenAIError) as info:
+        run(service.completions(CompletionRequest(prompt="x", model="other")))
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+    busy, _ = make(fail_with=overloaded("full"))
+    with pytest.raises(OpenAIError) as info:
+        run(busy.completions(CompletionRequest(prompt="x", stream=True)))
+    assert info.value.status == 503
+
+
+def test_replica_failure_is_503_or_a_final_error_chunk() -> None:
+    service, _ = make(FakeReplica(failure="rank 1 died"))
+    with pytest.raises(OpenAIError) as info:
+        run(service.completions(CompletionRequest(prompt="x", max_tokens=4)))
+    assert info.value.status == 503 and "rank 1 died" in info.value.message
+    chunks = run(
+        collect(run_stream(service.completions(CompletionRequest(prompt="x", max_tokens=4, stream=True))))
+    )
+    assert "rank 1 died" in chunks[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_closing_a_stream_aborts_every_choice(n: int) -> None:
+    service, replica = make()
+
+    async def go() -> None:
+        stream = await service.completions(CompletionRequest(prompt="x", max_tokens=50, n=n, stream=True))
+        got = [await anext(stream), await anext(stream)]
+        assert len(got) == 2
+        await stream.aclose()
+
+    run(go())
+    assert replica.active == set()
+    assert len(replica.aborted) == n
+
+
+def test_stats_and_health_aggregate_replicas() -> None:
+    service, _ = make()
+    stats = run(service.stats())
+    assert stats == {"kv_pages_used": 2, "num_running": 4, "kv_pages_used_per_group": [2], "num_replicas": 2}
+    assert run(service.health()) == "rank 1 is dead"
+    assert service.models()["data"][0]["id"] == MODEL
+
+
+def test_http_routes_errors_and_sse() -> None:
+    service, _ = make()
+    transport = httpx.ASGITransport(app=build_http_app(service))
+
+    chat = {"model": "x", "messages": [{"role": "user", "content": "x"}]}
+    json_header = {"content-type": "application/json"}
+
+    async def go() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return {
+                "bad_json": await client.post("/v1/completions", content=b"{", headers=json_header),
+                "invalid": await client.post("/v1/completions", json={"prompt": "x", "top_p": 2}),
+                "unknown": await client.post("/v1/chat/completions", json=chat),
+                "no_route": await client.get("/v2/nothing"),
+                "health": await client.get("/health"),
+                "sse": await client.post(
+                    "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}
+                ),
+                "openapi": await client.get("/openapi.json"),
+            }
+
+    responses = run(go())
+    for name, status in [
+        ("bad_json", 400),
+        ("invalid", 400),
+        ("unknown", 404),
+        ("no_route", 404),
+        ("health", 503),
+    ]:
+        response = responses[name]
+        assert response.status_code == status, (name, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert responses["invalid"].json()["error"]["param"] == "top_p"
+    sse = responses["sse"]
+    assert sse.headers["x-accel-buffering"] == "no" and sse.headers["content-type"].startswith(
+        "text/event-stream"
+    )
+    events = [e for e in sse.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+    assert json.loads(events[0].removeprefix("data: "))["object"] == "text_completion"
+    assert "/v1/chat/completions" in responses["openapi"].json()["paths"]
