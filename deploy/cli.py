@@ -9,6 +9,12 @@ from collections.abc import Sequence
 DEFAULT_PORT = 8000
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_APP_NAME = "tandem"
+BENCHMARKS = {
+    "offline": "Offline throughput of the LLM API (nano-vllm workload), with ablations.",
+    "online": "Online serving load against a running server: TTFT, ITL, TPOT, goodput.",
+    "decode": "Decode step latency against the memory roofline.",
+    "window": "Sliding-window decode at short and long context.",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,22 +52,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     bench = commands.add_parser("bench", help="Run the benchmarks.")
-    kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="{offline,online}")
-    kinds.add_parser("offline", help="Offline throughput of the LLM API.")
-    kinds.add_parser("online", help="Online serving load against a running server.")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
+    for kind, text in BENCHMARKS.items():
+        kinds.add_parser(kind, help=text, add_help=False)  # its flags go to the benchmark: see main()
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if len(words) >= 2 and words[0] == "bench" and words[1] in BENCHMARKS:
+        # Everything after the kind belongs to the benchmark's own parser, --help included.
+        return run_bench(words[1], words[2:])
+    args = build_parser().parse_args(words)
     if args.command == "serve":
         from tandem.deploy.serve_command import run_serve
 
         return run_serve(args)
     if args.command == "bench":
-        print(f"tandem bench {args.bench_kind}: not implemented yet", file=sys.stderr)
-        return 2
+        return run_bench(args.bench_kind, [])
     return 2  # argparse rejects unknown commands before this
+
+
+def run_bench(kind: str, argv: list[str]) -> int:
+    """The benchmarks live in the source checkout's benchmarks/ folder (not in the wheel)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"tandem.benchmarks.{kind}")
+    except ImportError as exc:
+        print(
+            f"tandem bench {kind}: the benchmarks ship with the source checkout "
+            f"(pip install -e .), not with this install ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    # Each benchmark parses sys.argv itself, so it reads as `python benchmarks/<kind>.py ARGS`.
+    saved = sys.argv
+    sys.argv = [f"tandem bench {kind}", *argv]
+    try:
+        result = module.main()
+    finally:
+        sys.argv = saved
+    return int(result or 0)
 
 
 def _positive_int(text: str) -> int:
