@@ -1,7 +1,9 @@
-"""Issue 4 on a GPU host: a TP=1 replica under Ray Serve, on the NCCL init path with CUDA streams."""
+"""Issue 4 on GPU hosts: a replica under Ray Serve on the NCCL init path with CUDA streams, at TP=1
+and (with two GPUs) TP=2. float32, so TP=2 must give exactly TP=1's tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,45 +13,59 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], list(range(20, 70))]
+ENGINE = {"dtype": "float32"}
 
-def test_tp1_replica_under_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+
+@pytest.fixture(scope="module")
+def ray_gpus():  # type: ignore[no-untyped-def]
     import ray
+
+    ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False)
+    yield torch.cuda.device_count()
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_replica_under_serve(ray_gpus: int, tp_size: int, tmp_path: Path) -> None:
+    if ray_gpus < tp_size:
+        pytest.skip(f"needs {tp_size} GPUs")
     from ray import serve
 
     from tandem import LLM, SamplingParams
     from tandem.engine.tiny import make_tiny_model
     from tandem.replicas.llm_replica import LLMReplica
 
-    model_dir = make_tiny_model(tmp_path / "qwen3", "qwen3")
-    prompt = [5, 6, 7, 8, 9, 10]
+    model_dir = make_tiny_model(tmp_path / "qwen2", "qwen2")  # q/k/v biases: rank 0 adds them once
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
 
     @serve.deployment(
-        placement_group_bundles=LLMReplica.placement_bundles(1, "cuda", replica_cpus=1.0),
+        placement_group_bundles=LLMReplica.placement_bundles(tp_size, "cuda", replica_cpus=1.0),
         placement_group_strategy="STRICT_PACK",
         ray_actor_options={"num_cpus": 1},
     )
     class Server:
         def __init__(self) -> None:
-            self.replica = LLMReplica(str(model_dir), tp_size=1, device="cuda")
+            self.replica = LLMReplica(str(model_dir), tp_size=tp_size, device="cuda", engine=ENGINE)
 
         async def run(self) -> dict[str, Any]:
-            tokens: list[int] = []
-            async for chunk in self.replica.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0)):
-                tokens += chunk.token_ids
+            outs = []
+            for prompt in PROMPTS:
+                tokens: list[int] = []
+                async for chunk in self.replica.generate(prompt, greedy):
+                    tokens += chunk.token_ids
+                outs.append(tokens)
             await self.replica.check_health()
-            return {"tokens": tokens, "ranks": await self.replica.describe_ranks()}
+            return {"tokens": outs, "ranks": await self.replica.describe_ranks()}
 
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False)
     try:
-        handle = serve.run(Server.bind(), name="gpu-replica", route_prefix=None)
+        handle = serve.run(Server.bind(), name=f"gpu-tp{tp_size}", route_prefix=None)
         result = handle.run.remote().result(timeout_s=600)
     finally:
         serve.shutdown()
-        ray.shutdown()
-    rank = result["ranks"][0]
-    assert rank["backend"] == "nccl"
-    assert rank["device"].startswith("cuda") and rank["cuda_streams"] and rank["distinct_streams"] == 3
-    offline = LLM(str(model_dir), device="cuda").generate(
-        [prompt], SamplingParams(max_tokens=24, temperature=0.0)
-    )
-    assert result["tokens"] == offline[0].token_ids
+    assert len(result["ranks"]) == tp_size
+    for rank in result["ranks"]:
+        assert rank["backend"] == "nccl"
+        assert rank["device"].startswith("cuda") and rank["cuda_streams"] and rank["distinct_streams"] == 3
+    offline = LLM(str(model_dir), device="cuda", dtype="float32").generate(PROMPTS, greedy, use_tqdm=False)
+    assert result["tokens"] == [o.token_ids for o in offline]
