@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], list(range(20, 70))]
-ENGINE = {"dtype": "float32"}
+ENGINE = {"dtype": "float32", "num_pages": 2048}  # leave the GPUs to the other tests
 
 
 @pytest.fixture(scope="module")
@@ -67,5 +67,7 @@ def test_replica_under_serve(ray_gpus: int, tp_size: int, tmp_path: Path) -> Non
     for rank in result["ranks"]:
         assert rank["backend"] == "nccl"
         assert rank["device"].startswith("cuda") and rank["cuda_streams"] and rank["distinct_streams"] == 3
-    offline = LLM(str(model_dir), device="cuda", dtype="float32").generate(PROMPTS, greedy, use_tqdm=False)
+    offline_llm = LLM(str(model_dir), device="cuda", **ENGINE)
+    offline = offline_llm.generate(PROMPTS, greedy, use_tqdm=False)
+    offline_llm.shutdown()
     assert result["tokens"] == [o.token_ids for o in offline]
