@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+from torch.profiler import record_function
 
 from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.streams import StreamSet
@@ -229,15 +230,17 @@ class Scheduler:
         assert self.streams.is_current(self.streams.scheduler), "overlap loop schedules on its stream"
         for msg in receive(last is None and not self.has_work):
             self.handle(msg)
-        prepared = self._schedule()
+        with record_function("tandem.schedule"):
+            prepared = self._schedule()
         ongoing = None
         if prepared is not None:
-            with self.streams.use(self.streams.engine):
+            with self.streams.use(self.streams.engine), record_function("tandem.launch"):
                 self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
                 ongoing = self._launch(prepared)
         if last is not None:
-            self._process(last)
+            with record_function("tandem.process_results"):
+                self._process(last)
         return ongoing
 
     def stats(self) -> dict[str, int | list[int]]:
