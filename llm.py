@@ -150,9 +150,11 @@ class LLM:
                     if out.top_logprobs is not None:
                         res.top_logprobs.append(out.top_logprobs)
                     detok = detoks.get(out.rid)
-                    if detok is not None and (detok.add(out.token_id) or True) and detok.stopped:
-                        res.finish_reason = "stop"
-                        self._inbox.append(AbortRequest(out.rid))
+                    if detok is not None:
+                        detok.add(out.token_id)
+                        if detok.stopped:  # a stop string ended it: the ranks stop it too
+                            res.finish_reason = "stop"
+                            self._inbox.append(AbortRequest(out.rid))
                 if out.finish_reason is not None and res.finish_reason is None:
                     res.finish_reason = out.finish_reason
                 if res.finish_reason is not None:
