@@ -59,9 +59,7 @@ class LLMServer:
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
-        limits = getattr(self._replica, "limits", None)
-        vocab_size = getattr(limits, "vocab_size", None) or getattr(self._replica, "vocab_size", None)
-        self._service = GenerationService(self._replica, self._metrics, vocab_size=vocab_size)
+        self._service = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 

@@ -83,6 +83,11 @@ class LLMReplica:
         assert self.limits is not None, "call start() first"
         return self.limits.max_seq_len
 
+    @property
+    def vocab_size(self) -> int:
+        assert self.limits is not None, "call start() first"
+        return self.limits.vocab_size
+
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         async with self._start_lock:
