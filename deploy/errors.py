@@ -22,11 +22,12 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = _encodable(message)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = _encodable(param) if param is not None else None
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -35,6 +36,12 @@ class OpenAIError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray pickles exceptions across processes; keep the keyword-only fields.
         return (_rebuild, (self.status, self.message, self.type, self.param, self.code))
+
+
+def _encodable(text: str) -> str:
+    # A JSON body may escape a lone surrogate ("\ud800"): Python keeps it in a str, but it has no UTF-8
+    # form, so an error message echoing it (an unknown model name) would fail the response itself.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _rebuild(status: int, message: str, type: str, param: str | None, code: str | None) -> OpenAIError:

@@ -103,7 +103,7 @@ class GenerationService:
         prompts: list[list[int]] = []
         for i, prompt in enumerate(job.prompts or []):
             param = "prompt" if len(job.prompts or []) == 1 else f"prompt.{i}"
-            ids = list(self._tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+            ids = self._encode(prompt, param) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise Rejected("the prompt is empty (no tokens)", param)
             bad = [t for t in ids if not 0 <= t < self._vocab_size]
@@ -124,10 +124,21 @@ class GenerationService:
         except Exception as exc:  # a template raising on odd input is the client's 400, not our 500
             raise Rejected(f"the chat template failed on these messages: {exc}", "messages") from None
         # The template writes any BOS itself; adding special tokens again would double it.
-        ids = list(self._tokenizer.encode(str(text), add_special_tokens=False))
+        ids = self._encode(str(text), "messages", add_special_tokens=False)
         if not ids:
             raise Rejected("the rendered chat prompt is empty", "messages")
         return ids
+
+    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON may escape a lone surrogate ("\ud83e"): a Python str, but not Unicode text, and the
+            # tokenizer raises a TypeError on it. That is the client's 400, not our 500.
+            raise Rejected(
+                f"the text is not valid Unicode ({exc.reason} at character {exc.start})", param
+            ) from None
+        return list(self._tokenizer.encode(text, **kwargs))
 
     def _choices(self, job: GenerateJob, prompts: list[list[int]]) -> list[_Choice]:
         choices: list[_Choice] = []

@@ -75,8 +75,11 @@ class HandleBackend:
                     response.cancel()
 
     async def replica_stats(self) -> list[dict[str, Any]]:
-        broadcast = self._handle.broadcast("stats")
-        results = await broadcast.results_async(timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        try:
+            broadcast = self._handle.broadcast("stats")
+            results = await broadcast.results_async(timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
+        except DeploymentUnavailableError:
+            return []  # no replica running (all dead or being replaced): nothing to sum
         return [r for r in results if isinstance(r, dict)]
 
     async def replica_health(self) -> list[str | None]:
@@ -85,6 +88,10 @@ class HandleBackend:
             results = await broadcast.results_async(timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True)
         except TimeoutError:
             return ["a replica did not answer its health check in time"]
+        except DeploymentUnavailableError as exc:
+            # While Serve replaces the only replica, broadcast has nobody to ask and raises; left
+            # unhandled it became Serve's plain-text 503 instead of our OpenAI-shaped one.
+            return [f"no model server is available: {exc}"]
         return [None if not isinstance(r, BaseException) else _reason(r) for r in results]
 
 

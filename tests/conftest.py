@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,18 @@ from typing import Any
 import pytest
 
 from tandem.engine.tiny import make_tiny_model
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here rather than in tests/e2e/conftest.py: pytest only takes options from conftests it loads at
+    # start-up, and a plain `pytest` (testpaths = tests) does not load tests/e2e/conftest.py that early.
+    parser.addoption(
+        "--soak-requests",
+        type=int,
+        default=int(os.environ.get("TANDEM_SOAK_REQUESTS", "1000")),
+        help="Requests in the e2e soak (tests/e2e/test_soak.py): 1000 in CI, 10000 for the long form. "
+        "Also read from TANDEM_SOAK_REQUESTS.",
+    )
 
 
 @pytest.fixture(scope="session")

@@ -198,9 +198,7 @@ def make_tiny_model(
     # matter come from `_reinit`'s private generator anyway.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation="eager"
-        ).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(torch.float32)
     _reinit(model, family, seed)
     ids = special_token_ids(tokenizer)
     model.generation_config = GenerationConfig(
