@@ -45,6 +45,28 @@ class SamplingBatch:
     # Top-n logprobs to return per row; -1 for none. 0 returns only the chosen token's logprob.
     num_logprobs: int = -1
 
+    @classmethod
+    def greedy(cls, batch: int, device: torch.device | str = "cpu") -> SamplingBatch:
+        """Argmax for every row, no penalties: for engine-level tests and benchmarks."""
+        zeros = torch.zeros(batch, device=device)
+        ints = torch.zeros(batch, dtype=torch.int64, device=device)
+        ones = torch.ones(batch, device=device)
+        return cls(
+            temperature=zeros,
+            top_p=ones,
+            top_k=ints,
+            min_p=zeros,
+            seeds=ints,
+            steps=ints,
+            presence_penalty=zeros,
+            frequency_penalty=zeros,
+            repetition_penalty=ones,
+            all_greedy=True,
+            any_top_k_top_p=False,
+            any_min_p=False,
+            any_explicit_seed=False,
+        )
+
 
 @dataclass(frozen=True)
 class AttentionGroupBatch:

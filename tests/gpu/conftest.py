@@ -95,22 +95,6 @@ def assert_same_greedy() -> Callable[[list[Any], list[Any]], None]:
     return check
 
 
-def greedy_sampling(batch: int, device: torch.device) -> SamplingBatch:
-    zeros = torch.zeros(batch, device=device)
-    return SamplingBatch(
-        temperature=zeros,
-        top_p=torch.ones(batch, device=device),
-        top_k=torch.zeros(batch, dtype=torch.int64, device=device),
-        min_p=zeros,
-        seeds=torch.zeros(batch, dtype=torch.int64, device=device),
-        steps=torch.zeros(batch, dtype=torch.int64, device=device),
-        presence_penalty=zeros,
-        frequency_penalty=zeros,
-        repetition_penalty=torch.ones(batch, device=device),
-        all_greedy=True,
-    )
-
-
 STALE_PAGE = 0  # tables never use page 0 for live tokens; evicted entries point at it
 
 
@@ -151,7 +135,7 @@ def build_batch(
         seq_lens_cpu=seq,
         extend_lens_cpu=ext,
         groups=tuple(groups),
-        sampling=greedy_sampling(len(spans), device),
+        sampling=SamplingBatch.greedy(len(spans), device),
         is_decode=bool((ext == 1).all()),
     )
 

@@ -23,22 +23,6 @@ from tandem.engine.streams import StreamSet
 PAGE = 4
 
 
-def sampling(batch: int) -> SamplingBatch:
-    zeros = torch.zeros(batch)
-    return SamplingBatch(
-        temperature=zeros,
-        top_p=torch.ones(batch),
-        top_k=torch.zeros(batch, dtype=torch.int64),
-        min_p=zeros,
-        seeds=torch.zeros(batch, dtype=torch.int64),
-        steps=torch.zeros(batch, dtype=torch.int64),
-        presence_penalty=zeros,
-        frequency_penalty=zeros,
-        repetition_penalty=torch.ones(batch),
-        all_greedy=True,
-    )
-
-
 def make_batch(engine: Engine, ids: list[list[int]], starts: list[int]) -> ForwardBatch:
     """Rows computing ids[b][starts[b]:], each on its own disjoint pages (page 0 left unused)."""
     width = max(-(-len(r) // PAGE) for r in ids)
@@ -55,7 +39,15 @@ def make_batch(engine: Engine, ids: list[list[int]], starts: list[int]) -> Forwa
     tokens = torch.tensor([t for r, s in zip(ids, starts) for t in r[s:]])
     is_decode = bool((ext == 1).all())
     return ForwardBatch(
-        tokens, pos, seq, ext, seq, ext, (group,) * len(engine.groups), sampling(len(ids)), is_decode
+        tokens,
+        pos,
+        seq,
+        ext,
+        seq,
+        ext,
+        (group,) * len(engine.groups),
+        SamplingBatch.greedy(len(ids)),
+        is_decode,
     )
 
 

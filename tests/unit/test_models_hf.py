@@ -34,22 +34,6 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[l
     return outs
 
 
-def greedy_sampling(batch: int) -> SamplingBatch:
-    zeros = torch.zeros(batch)
-    return SamplingBatch(
-        temperature=zeros,
-        top_p=torch.ones(batch),
-        top_k=torch.zeros(batch, dtype=torch.int64),
-        min_p=zeros,
-        seeds=torch.zeros(batch, dtype=torch.int64),
-        steps=torch.zeros(batch, dtype=torch.int64),
-        presence_penalty=zeros,
-        frequency_penalty=zeros,
-        repetition_penalty=torch.ones(batch),
-        all_greedy=True,
-    )
-
-
 def prefill_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     """One prefill through the engine with a hand-built page table; returns last-token logits."""
     config = resolve_engine_config(model_dir, device="cpu", page_size=4, num_pages=64)
@@ -69,7 +53,7 @@ def prefill_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
         lens,
         lens,
         (group,) * len(engine.groups),
-        greedy_sampling(1),
+        SamplingBatch.greedy(1),
         False,
     )
     engine.attention.plan(batch)
