@@ -107,9 +107,6 @@ class KVManager:
         evictable = self.cache.evictable_pages if self.cache is not None and group == 0 else 0
         return self.allocators[group].num_free + evictable - self.outstanding[group]
 
-    def capacity(self, group: int) -> int:
-        return self.groups[group].num_pages
-
     def never_fits(self, prompt_len: int, total_tokens: int) -> str | None:
         """Why a request of this size could never be admitted, or None if it can be."""
         return admission_error(

@@ -17,7 +17,7 @@ from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
-from tandem.scheduler.messages import SchedulerMsg, TokenOutput
+from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
 
 
@@ -143,7 +143,3 @@ class RankRuntime:
             max_seq_len=self.max_seq_len,
             vocab_size=self.engine.model_config.vocab_size,
         )
-
-
-def no_messages(blocking: bool) -> list[SchedulerMsg]:
-    return []
