@@ -43,6 +43,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-cuda-graph": {"cuda_graph": False},
     "no-piecewise": {"piecewise_cuda_graph": False},
     "no-copy-stream": {"copy_stream": False},
+    "no-fused-kernels": {"fused_kernels": False},
     "all-off": {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False, "copy_stream": False},
 }
 

@@ -2,7 +2,8 @@
 
 flashinfer compiles each kernel variant on first use, one after another (tens of seconds to minutes
 each on an H200). tandem needs one module per (head_dim, sliding window, soft-cap) in bf16: the fa2
-paged prefill module, which also serves tensor-core decode (see FlashInferBackend). Building them
+paged prefill module, which also serves tensor-core decode (see FlashInferBackend), plus the norm
+and rope modules of the fused kernels. Building them
 together uses every core at once; `save_fi_cache DIR` (from .device/gpu-env.sh) then keeps them for
 the next host. Best effort: if this flashinfer's internals differ, the kernels still build lazily.
 
@@ -33,6 +34,8 @@ def main() -> int:
     try:
         from flashinfer.jit import build_jit_specs
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+        from flashinfer.jit.norm import gen_norm_module
+        from flashinfer.jit.rope import gen_rope_module
         from flashinfer.utils import PosEncodingMode
 
         bf16 = torch.bfloat16
@@ -42,12 +45,14 @@ def main() -> int:
             )
             for d, window, softcap in variants
         ]
+        specs += [gen_norm_module(), gen_rope_module()]  # the fused kernels (engine/layers/fused.py)
         start = time.perf_counter()
         build_jit_specs(specs)
     except Exception as exc:  # the kernels will still build on first use
         print(f"prebuild skipped: {exc!r}", file=sys.stderr)
         return 0
-    print(f"built {len(specs)} flashinfer modules {variants} in {time.perf_counter() - start:.0f} s")
+    took = time.perf_counter() - start
+    print(f"built {len(specs)} flashinfer modules (attention {variants}, norm, rope) in {took:.0f} s")
     return 0
 
 

@@ -14,6 +14,7 @@ from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
+from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
@@ -42,8 +43,9 @@ class Engine:
         self.streams = streams
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
+        kernels = FusedKernels(mc.max_position_embeddings) if config.fused_kernels else None
         with torch.device(config.device):
-            self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device)
+            self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         self.capture_seconds = 0.0

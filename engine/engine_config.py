@@ -35,6 +35,7 @@ class EngineConfig:
     cuda_graph: bool = False  # full CUDA graphs for decode batches
     piecewise_cuda_graph: bool = False  # CUDA graphs of the pieces between attention calls (prefill)
     copy_stream: bool = True  # device-to-host result copies on their own stream
+    fused_kernels: bool = False  # flashinfer's fused norm and rope kernels instead of torch ops
     cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
     piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
     max_batch_size: int = 256
@@ -46,6 +47,7 @@ class EngineConfig:
             "cuda_graph": self.cuda_graph,
             "piecewise_cuda_graph": self.piecewise_cuda_graph,
             "copy_stream": self.copy_stream,
+            "fused_kernels": self.fused_kernels,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "piecewise_max_tokens": self.piecewise_max_tokens,
             "page_size": self.page_size,
@@ -118,6 +120,7 @@ def resolve_engine_config(
     cuda_graph: bool = True,
     piecewise_cuda_graph: bool = True,
     copy_stream: bool = True,
+    fused_kernels: bool = True,
     cuda_graph_max_bs: int = 256,
     piecewise_max_tokens: int = 2048,
     kv_tokens_cpu: int = 32768,
@@ -151,6 +154,8 @@ def resolve_engine_config(
         cuda_graph=cuda_graph and on_gpu and backend == "flashinfer",
         piecewise_cuda_graph=piecewise_cuda_graph and on_gpu,
         copy_stream=copy_stream and on_gpu,
+        # Same condition as the backend: flashinfer imports and serves the head size.
+        fused_kernels=fused_kernels and backend == "flashinfer",
         cuda_graph_max_bs=cuda_graph_max_bs,
         piecewise_max_tokens=piecewise_max_tokens,
     )

@@ -42,6 +42,7 @@ class RuntimeOptions:
     # Engine ablation switches (EngineConfig.switches() records what actually ran).
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA), "flashinfer" or "torch"
     piecewise_cuda_graph: bool = True
+    fused_kernels: bool = True  # flashinfer norm/rope kernels on CUDA (off: the torch reference ops)
     cuda_graph_max_bs: int = 256
     piecewise_max_tokens: int = 2048
 
@@ -92,6 +93,7 @@ class RankRuntime:
             cuda_graph=options.cuda_graph,
             piecewise_cuda_graph=options.piecewise_cuda_graph,
             copy_stream=options.copy_stream,
+            fused_kernels=options.fused_kernels,
             cuda_graph_max_bs=options.cuda_graph_max_bs,
             piecewise_max_tokens=options.piecewise_max_tokens,
         )

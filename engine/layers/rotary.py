@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tandem.engine.config import RopeConfig
+from tandem.engine.layers.fused import FusedKernels
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -30,16 +31,29 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin from positions on the fly: no table sized by the context length."""
+    """Computes cos/sin from positions on the fly: no table sized by the context length.
 
-    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
+    With `FusedKernels` (CUDA) it rotates q and k in place with one kernel instead, reading a
+    cos/sin table that every layer with the same rope shares.
+    """
+
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, device: torch.device, kernels: FusedKernels | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim).to(device), persistent=False)
+        inv_freq = inverse_frequencies(rope, head_dim).to(device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.kernels = kernels
+        # Not a buffer: it is shared, and no checkpoint or .to() should see one copy per layer.
+        self.table = None if kernels is None else kernels.cos_sin_table(rope, inv_freq)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernels is not None and self.table is not None:
+            self.kernels.rope_(positions, q, k, self.table)
+            return q, k
         inv_freq = self.get_buffer("inv_freq")
         freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -14,6 +14,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.distributed import TPGroup
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,13 +54,20 @@ class Build:
     """Construction arguments shared by every module of one model."""
 
     def __init__(
-        self, config: ModelConfig, traits: Traits, tp: TPGroup, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        traits: Traits,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: FusedKernels | None = None,
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
+        self.kernels = kernels
 
     def norm(self, size: int) -> RMSNorm:
         cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
-        return cls(size, self.config.rms_norm_eps, dtype=self.dtype, device=self.device)
+        return cls(size, self.config.rms_norm_eps, dtype=self.dtype, device=self.device, kernels=self.kernels)
 
 
 class Attention(nn.Module):
@@ -81,7 +89,9 @@ class Attention(nn.Module):
         self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
         self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
         window = c.window_of(layer_id)
-        self.rotary = RotaryEmbedding(c.rope if window is None else c.rope_local, c.head_dim, b.device)
+        self.rotary = RotaryEmbedding(
+            c.rope if window is None else c.rope_local, c.head_dim, b.device, b.kernels
+        )
         self.spec = LayerSpec(
             layer_id=layer_id,
             num_heads=q_shard.size // c.head_dim,
@@ -137,18 +147,23 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = b.norm(size)
             self.post_feedforward_layernorm = b.norm(size)
 
-    def attention_inputs(self, positions: torch.Tensor, x: torch.Tensor) -> QKV:
-        return self.self_attn.qkv(positions, self.input_layernorm(x))
+    def finish(
+        self, x: torch.Tensor, attn_out: torch.Tensor, next_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer once attention has run, then the next norm: (residual, normed).
 
-    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """The rest of the layer once attention has run: o_proj, residuals, norms and the MLP."""
+        Every residual add is fused with the norm that follows it (`RMSNorm.add`), so `x`, the residual
+        stream, may be updated in place; `next_norm` is the next layer's input norm or the final norm.
+        """
         attn = self.self_attn.o_proj(attn_out)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            return x + mlp_out  # type: ignore[no-any-return]
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
+            h, x = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), x)
+            mlp_out = self.post_feedforward_layernorm(self.mlp(h))
+        else:
+            h, x = self.post_attention_layernorm.add(attn, x)
+            mlp_out = self.mlp(h)
+        h, x = next_norm.add(mlp_out, x)
+        return x, h
 
 
 class DecoderBody(nn.Module):
@@ -178,16 +193,18 @@ class DecoderBody(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        return (x, *self.layer(0).attention_inputs(positions, x))
+        layer = self.layer(0)
+        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x)))
 
     def middle_piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor) -> Piece:
         """Finish layer i - 1 from its attention output, then run layer i up to its attention."""
-        x = self.layer(i - 1).finish(x, attn_out)
-        return (x, *self.layer(i).attention_inputs(positions, x))
+        layer = self.layer(i)
+        x, h = self.layer(i - 1).finish(x, attn_out, layer.input_layernorm)
+        return (x, *layer.self_attn.qkv(positions, h))
 
     def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Finish the last layer, then the final norm."""
-        return self.norm(self.layer(len(self.layers) - 1).finish(x, attn_out))  # type: ignore[no-any-return]
+        return self.layer(len(self.layers) - 1).finish(x, attn_out, self.norm)[1]
 
     def attend(
         self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
@@ -210,10 +227,17 @@ class CausalLM(nn.Module):
 
     traits = Traits()
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: FusedKernels | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        b = Build(config, self.traits, tp, dtype, device)
+        b = Build(config, self.traits, tp, dtype, device, kernels)
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
 

@@ -1,6 +1,7 @@
-"""Issue 6: whole-model logits with flashinfer (eager, and through decode and piecewise CUDA graphs)
-against the torch attention backend, for bf16 models of real shapes, over prefill, extend over a
-cached prefix, and decode steps with sliding-window eviction."""
+"""Issue 6: whole-model logits with flashinfer attention and fused norm/rope kernels (eager, and through
+decode and piecewise CUDA graphs) against the torch attention backend and torch ops, for bf16 models
+of real shapes, over prefill, extend over a cached prefix, and decode steps with sliding-window
+eviction."""
 
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def test_logits_agree_across_backends_and_graphs(
     tables = make_tables(len(LENGTHS), -(-max(LENGTHS) // PAGE), NUM_PAGES, seed=3)
     graphs = engines["graphs"]
     assert graphs.decode_graphs is not None and graphs.piecewise is not None
+    # The reference runs torch norms and rope too; the flashinfer engines run the fused kernels.
+    assert not ref.config.fused_kernels
+    assert engines["flashinfer"].config.fused_kernels and graphs.config.fused_kernels
     used = {"decode graph": 0, "piecewise": 0}
     for i, spans in enumerate(STEPS):
         n = len(spans)

@@ -41,6 +41,7 @@ SETTINGS: list[dict[str, Any]] = [
     {"overlap": False},
     {"chunk_size": 64},  # chunked prefill: decode rows ride along in piecewise-graph batches
     {"attention_backend": "torch"},  # piecewise graphs around the reference attention
+    {"fused_kernels": False},  # torch norms and rope instead of flashinfer's fused kernels
 ]
 
 

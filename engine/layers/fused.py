@@ -1,0 +1,67 @@
+"""flashinfer's fused RMS-norm and rope kernels, used on CUDA in place of the torch reference ops.
+
+Why: a float32 RMS norm written in torch is ~8 elementwise launches and a rotate-half rope ~20; a
+Qwen3 layer has five norms and one rope. Inside a decode CUDA graph each tiny launch still costs a
+few microseconds of GPU time, so at small and medium batch those launches, not the GEMMs or the KV
+reads, set the step time. One kernel per norm (residual add included) and one per rope fixes that.
+
+The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused ones compute in
+float32 inside the kernel and round once, so they differ from the torch path by bf16 rounding only.
+Never construct this on CPU: it imports flashinfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tandem.engine.config import RopeConfig
+
+
+class FusedKernels:
+    """One per model: holds the cos/sin tables, shared by every layer with the same rope."""
+
+    def __init__(self, max_positions: int) -> None:
+        import flashinfer  # a CUDA-only dependency (extra `gpu`), imported on first construction
+
+        self._norm: Any = flashinfer.norm
+        self._rope: Any = flashinfer.rope
+        self.max_positions = max_positions
+        self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
+        """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split)."""
+        # PDL is left off: it only shaves launch latency, and graph capture stays the plain kind.
+        if gemma:
+            return self._norm.gemma_rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
+        return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
+
+    def add_rmsnorm(
+        self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual += delta, then delta = norm(residual), both in place: (normed, residual)."""
+        if gemma:
+            self._norm.gemma_fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
+        else:
+            self._norm.fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
+        return delta, residual
+
+    def cos_sin_table(self, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+        """float32 [max_positions, rotary_dim]: cos in the first half, sin in the second.
+
+        Built with the same float32 products as the torch reference (position * inv_freq), so the
+        angles agree bit for bit; only the rotation itself is rounded differently.
+        """
+        key = (rope, int(inv_freq.shape[0]) * 2)
+        table = self._tables.get(key)
+        if table is None:
+            positions = torch.arange(self.max_positions, device=inv_freq.device, dtype=torch.int64)
+            freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            self._tables[key] = table
+        return table
+
+    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
+        """Rotate-half (neox) rope on q [T, H, D] and k [T, Hkv, D], in place."""
+        self._rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, q.shape[-1], table, is_neox=True)

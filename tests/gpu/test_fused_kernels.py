@@ -1,0 +1,86 @@
+"""The fused flashinfer norm and rope kernels against the torch reference ops they replace on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.config import RopeConfig
+from tandem.engine.layers.fused import FusedKernels
+from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    # One bf16 rounding apart at most (2^-8 relative), plus slack for values near zero.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> FusedKernels:
+    return FusedKernels(max_positions=8192)
+
+
+@pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm])
+def test_norms_match_the_reference(kernels: FusedKernels, cls: type[RMSNorm]) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    ref = cls(1024, 1e-6, dtype=BF16, device=DEVICE)
+    fused = cls(1024, 1e-6, dtype=BF16, device=DEVICE, kernels=kernels)
+    weight = torch.randn(1024, generator=g, device=DEVICE).to(BF16)
+    ref.weight.data.copy_(weight)
+    fused.weight.data.copy_(weight)
+    x = torch.randn(37, 1024, generator=g, device=DEVICE).to(BF16) * 3
+    close(fused(x), ref(x))
+    # The residual step: both outputs, with the fused kernel overwriting its inputs in place.
+    delta = torch.randn(37, 1024, generator=g, device=DEVICE).to(BF16)
+    want_h, want_x = ref.add(delta, x)
+    residual, d = x.clone(), delta.clone()
+    got_h, got_x = fused.add(d, residual)
+    assert got_x.data_ptr() == residual.data_ptr() and got_h.data_ptr() == d.data_ptr()
+    torch.testing.assert_close(got_x, want_x)  # the sum itself is one bf16 add on both paths
+    close(got_h, want_h)
+
+
+def test_per_head_norm_on_a_strided_split(kernels: FusedKernels) -> None:
+    """Qwen3's q/k norms see views of the merged QKV output: rows strided, heads contiguous."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    ref = RMSNorm(128, 1e-6, dtype=BF16, device=DEVICE)
+    fused = RMSNorm(128, 1e-6, dtype=BF16, device=DEVICE, kernels=kernels)
+    qkv = torch.randn(21, (16 + 8 + 8) * 128, generator=g, device=DEVICE).to(BF16)
+    q = qkv[:, : 16 * 128].view(-1, 16, 128)
+    assert not q.is_contiguous()
+    close(fused(q), ref(q))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        RopeConfig(theta=1e6),
+        RopeConfig(theta=5e5, rope_type="llama3", factor=8.0, original_max_position=8192),
+        RopeConfig(theta=1e4, rope_type="linear", factor=8.0),
+    ],
+    ids=["default", "llama3", "linear"],
+)
+def test_rope_matches_the_reference_in_place(kernels: FusedKernels, rope: RopeConfig) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    ref = RotaryEmbedding(rope, 128, DEVICE)
+    fused = RotaryEmbedding(rope, 128, DEVICE, kernels)
+    positions = torch.tensor([0, 1, 17, 500, 4095, 8191], device=DEVICE)
+    qkv = torch.randn(6, (16 + 8 + 8) * 128, generator=g, device=DEVICE).to(BF16)
+    q = qkv[:, : 16 * 128].view(-1, 16, 128)
+    k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
+    want_q, want_k = ref(positions, q.clone(), k.clone())
+    got_q, got_k = fused(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place, through the strided views
+    close(got_q, want_q)
+    close(got_k, want_k)
+    # Layers with the same rope share one table.
+    assert RotaryEmbedding(rope, 128, DEVICE, kernels).table is fused.table
