@@ -1,12 +1,13 @@
 """`build_app(args)`: the Serve application of a serve config (`import_path: tandem.deploy.app:build_app`).
 
-Two deployments:
-- `LLMServer`, one replica per TP group, each in a placement group of `tp_size` rank bundles with the
-  replica actor's own CPU merged into bundle 0 (STRICT_PACK by default). It carries the user's
-  `num_replicas` / `autoscaling_config`, `max_ongoing_requests` and `max_queued_requests`.
-- `OpenAIIngress`, the FastAPI ingress. It is sized to admit every request the LLMServer replicas can run
-  or queue, so overload is detected at its handle to `LLMServer` (where it becomes an OpenAI-shaped 503)
-  rather than at the proxy (which would answer in plain text).
+One deployment, `LLMServer`, which is also the FastAPI ingress: one replica per TP group, each in a
+placement group of `tp_size` rank bundles with the replica actor's own CPU merged into bundle 0
+(STRICT_PACK by default). It carries the user's `num_replicas` / `autoscaling_config`.
+
+A request thus crosses one Serve hop (proxy -> replica), not two: each hop costs milliseconds of time to
+first token. The user's `max_ongoing_requests` and `max_queued_requests` are applied inside the replica
+(`Admission`), and Serve is told to admit that much plus some slack, so overload becomes an OpenAI-shaped
+503 from the app, never the proxy's plain-text one, and /health and /v1/models still get in under load.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
-from tandem.deploy.ingress import OpenAIIngress
 from tandem.deploy.server import LLMServer
 
-REPLICA_CPUS = 1.0  # the LLMServer actor itself: tokenizing, detokenizing, the request streams
-INGRESS_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
+REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
+ADMISSION_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
 DRAIN_TIMEOUT_S = 30.0
 # Serve replaces a replica after 3 failed health checks in a row. A dead rank fails every request on its
 # replica at once, so the replica is useless until replaced: check every 2 s (one heartbeat RPC per rank,
@@ -32,25 +32,22 @@ HEALTH_CHECK_PERIOD_S = 2.0
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     device = resolve_device(app_args)
-    served = app_args.resolved_served_model_name()
-    server = (
+    return (
         cast(Deployment, LLMServer)
         .options(**llm_server_options(app_args, device))
         .bind(
             app_args.model,
-            served,
+            app_args.resolved_served_model_name(),
+            model_root=app_args.model or TINY_MODEL_NAME,
             tp_size=app_args.tp_size,
             device=device,
             engine=app_args.engine.to_llm_kwargs(),
             placement_strategy=app_args.placement_strategy,
             cpus_per_rank=app_args.cpus_per_rank,
+            max_running=app_args.max_ongoing_requests,
+            max_queued=app_args.max_queued_requests,
             drain_timeout_s=DRAIN_TIMEOUT_S,
         )
-    )
-    return (
-        cast(Deployment, OpenAIIngress)
-        .options(**ingress_options(app_args))
-        .bind(server, served, app_args.model or TINY_MODEL_NAME)
     )
 
 
@@ -80,16 +77,11 @@ def placement_bundles(args: AppArgs, device: str) -> list[dict[str, float]]:
     return bundles
 
 
-def max_llm_replicas(args: AppArgs) -> int:
-    if args.autoscaling_config is not None:
-        return args.autoscaling_config.max_replicas
-    return args.num_replicas or 1
-
-
 def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
     options: dict[str, Any] = {
-        "max_ongoing_requests": args.max_ongoing_requests,
-        "max_queued_requests": args.max_queued_requests,
+        "max_ongoing_requests": serve_max_ongoing_requests(args),
+        # Never queue at the proxy: a request past the replica's own queue gets the app's shaped 503.
+        "max_queued_requests": -1,
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
         "placement_group_bundles": placement_bundles(args, device),
         "placement_group_strategy": args.placement_strategy,
@@ -105,25 +97,9 @@ def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
     return options
 
 
-def ingress_options(args: AppArgs) -> dict[str, Any]:
-    replicas = max_llm_replicas(args)
-    running = replicas * args.max_ongoing_requests
-    # max_queued_requests is enforced per caller (each ingress replica's handle), so each ingress
-    # replica must admit what it may queue on top of what all LLM replicas run.
-    queued = args.max_queued_requests if args.max_queued_requests >= 0 else running
-    options: dict[str, Any] = {
-        "max_ongoing_requests": running + queued + INGRESS_SLACK,
-        "max_queued_requests": -1,
-        # Parsing JSON and relaying chunks is light and I/O bound; reserving no CPU keeps a 2-core
-        # `serve run` of the tiny model schedulable.
-        "ray_actor_options": {"num_cpus": 0},
-    }
-    if replicas > 1:
-        options["autoscaling_config"] = {
-            "min_replicas": 1,
-            "max_replicas": replicas,
-            "target_ongoing_requests": float(args.max_ongoing_requests),
-        }
-    else:
-        options["num_replicas"] = 1
-    return options
+def serve_max_ongoing_requests(args: AppArgs) -> int:
+    """What Serve lets into one replica: everything `Admission` may run or queue there, plus slack for
+    the requests it turns away and for /health and /v1/models. With an unbounded queue
+    (`max_queued_requests: -1`), the queue term is `max_ongoing_requests` again."""
+    queued = args.max_queued_requests if args.max_queued_requests >= 0 else args.max_ongoing_requests
+    return args.max_ongoing_requests + queued + ADMISSION_SLACK

@@ -1,6 +1,6 @@
-"""The FastAPI app of the ingress: OpenAI routes over an `OpenAIService`, and OpenAI-shaped errors.
+"""The FastAPI app of the LLMServer: OpenAI routes over an `OpenAIService`, and OpenAI-shaped errors.
 
-Built per ingress replica (no module-level app), so each replica's routes close over its own service.
+Built per replica (no module-level app), so each replica's routes close over its own service.
 FastAPI answers a body that fails validation, or is not JSON at all, with 422; OpenAI clients expect 400
 with an `{"error": ...}` body, so the handlers below replace FastAPI's.
 """
@@ -61,7 +61,7 @@ class ClosingStreamingResponse(StreamingResponse):
 
     When the client goes away, Starlette (or Serve cancelling the request) leaves the iterator
     suspended, and an unclosed generator would keep the request generating on the ranks until it
-    finished. Closing it runs the `finally`s down the chain, which cancel the LLMServer call.
+    finished. Closing it runs the `finally`s down the chain, which abort the request on the ranks.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,9 +1,9 @@
-"""What crosses the ingress -> LLMServer handle: one `GenerateJob` in, a stream of `JobEvent`s out.
+"""What the OpenAI layer hands the request path: one `GenerateJob` in, a stream of `JobEvent`s out.
 
-The ingress turns an OpenAI body into a job (protocol checks done); the LLMServer, which owns the
+`OpenAIService` turns an OpenAI body into a job (protocol checks done); `GenerationService`, which owns the
 tokenizer, tokenizes, checks the context length and runs the job's choices. Its first event is always
-`JobAccepted` or `JobRejected`, so the ingress can answer 400 before it commits to a 200 stream.
-Plain dataclasses: Ray pickles them, and they carry no OpenAI formatting.
+`JobAccepted` or `JobRejected`, so the service can answer 400 before it commits to a 200 stream.
+Plain dataclasses that carry no OpenAI formatting.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class GenerateJob:
     chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None  # None: the rest of the context window
     token_strings: bool = False  # resolve logprob token ids to strings
-    arrival_time: float = 0.0  # wall clock at the ingress, for the queue-time metric
+    arrival_time: float = 0.0  # wall clock at the replica, for the queue-time metric
 
     @property
     def num_choices(self) -> int:

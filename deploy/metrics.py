@@ -4,8 +4,8 @@ Ray's exporter prefixes every application metric with `ray_`, so Prometheus scra
 `ray_tandem_time_to_first_token_seconds` etc. on Ray's metrics export port. Ray adds its own tags
 (WorkerId, NodeAddress, ...); ours is `model_name`. Gauges are per replica: sum them in queries.
 
-Latencies are measured from the ingress's arrival timestamp, so they include Serve's routing and
-queueing. Across nodes that mixes two wall clocks; negative spans are clamped to 0.
+Latencies are measured from the request's arrival at the replica (its HTTP route or handle method), so
+they include the replica's admission queue but not the proxy. Negative spans are clamped to 0.
 """
 
 from __future__ import annotations

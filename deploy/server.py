@@ -1,9 +1,16 @@
-"""`LLMServer`: the Serve deployment around one `LLMReplica` (one TP group of rank actors).
+"""`LLMServer`: the app's only deployment, one replica per TP group, and its HTTP ingress.
 
-Thin on purpose: the request path lives in `GenerationService`, the metrics in `ServingMetrics`. Serve
-places each replica in a placement group of `tp_size` bundles (see `app.py`); the LLMReplica starts its
-rank actors inside it. Serve's periodic `check_health` fails when any rank is down, and Serve then
-replaces the replica together with its whole TP group.
+A request crosses one Serve hop (proxy -> replica); the OpenAI routes, the request path
+(`GenerationService`) and the `LLMReplica` all run in the replica's process, so a token goes from the
+replica's zmq socket to the SSE stream without another actor call. Overload is handled in the app
+(`Admission`), so it answers an OpenAI-shaped 503 rather than the proxy's plain-text one.
+
+HTTP goes through the FastAPI app built per replica by `__serve_build_asgi_app__`. The handle methods
+(`completions`, `chat_completions`, `stats`, `models`) take the same JSON bodies as the routes and return
+the same dicts, errors included (`{"error": {...}}`, as the HTTP body would be). With
+`handle.options(stream=True)` and `"stream": true` they yield the chunk dicts; a request that fails
+before streaming yields its error dict alone. Serve's periodic `check_health` fails when any rank is
+down, and Serve then replaces the replica together with its whole TP group.
 """
 
 from __future__ import annotations
@@ -11,16 +18,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from tandem.deploy.admission import Admission
+from tandem.deploy.errors import OpenAIError, from_validation_errors
 from tandem.deploy.generation import GenerationService
-from tandem.deploy.jobs import GenerateJob, JobEvent
+from tandem.deploy.http import build_http_app
 from tandem.deploy.metrics import ServingMetrics
+from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.deploy.replica_backend import ReplicaBackend
+from tandem.deploy.service import OpenAIService, Response
 
 logger = logging.getLogger(__name__)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def _default_replica(model: str | None, **kwargs: Any) -> Any:
@@ -31,18 +46,27 @@ def _default_replica(model: str | None, **kwargs: Any) -> Any:
     return LLMReplica(model if model is not None else str(default_model_dir()), **kwargs)
 
 
+def _own_deployment_handle() -> Any:
+    context = serve.get_replica_context()
+    return serve.get_deployment_handle(context.deployment, context.app_name)
+
+
 @serve.deployment
+@serve.ingress()
 class LLMServer:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         model: str | None,
         served_model_name: str,
         *,
+        model_root: str | None = None,
         tp_size: int,
         device: str,
         engine: dict[str, Any],
         placement_strategy: str,
         cpus_per_rank: float,
+        max_running: int,
+        max_queued: int,
         stats_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
         replica_factory: Callable[..., Any] | None = None,
@@ -59,20 +83,51 @@ class LLMServer:
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
-        self._service = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
+        generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
+        backend = ReplicaBackend(generation, Admission(max_running, max_queued), _own_deployment_handle)
+        self._service = OpenAIService(backend, served_model_name, model_root)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
-    async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
-        """`JobAccepted`/`JobRejected`, then the choices' deltas. Cancelling the call aborts the job."""
-        async for event in self._service.run(job):
-            yield event
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_app(self._service)
+
+    # ---- the handle API (section 6 of ARCHITECTURE.md) --------------------------------------------
+    async def completions(self, body: dict[str, Any]) -> Response:
+        return await self._call(body, CompletionRequest, self._service.completions)
+
+    async def chat_completions(self, body: dict[str, Any]) -> Response:
+        return await self._call(body, ChatCompletionRequest, self._service.chat_completions)
 
     async def stats(self) -> dict[str, Any]:
+        """The `LLM.stats()` keys summed over every replica, plus `num_replicas`."""
+        return await self._service.stats()
+
+    async def models(self) -> dict[str, Any]:
+        return self._service.models()
+
+    # ---- per replica: broadcast targets and Serve's hooks -----------------------------------------
+    async def replica_stats(self) -> dict[str, Any]:
         return dict(await self._replica.stats())
 
     async def check_health(self) -> None:
         await self._replica.check_health()
+
+    async def _call(
+        self,
+        body: dict[str, Any],
+        request_cls: type[RequestT],
+        method: Callable[[RequestT], Awaitable[Response]],
+    ) -> Response:
+        streaming = isinstance(body, dict) and body.get("stream") is True
+        try:
+            return await method(request_cls.model_validate(body))
+        except ValidationError as exc:
+            error = from_validation_errors(exc.errors())
+        except OpenAIError as exc:
+            error = exc
+        # Serve needs a generator for a stream=True call and a plain value otherwise.
+        return _yield_once(error.body()) if streaming else error.body()
 
     async def _poll_stats(self, interval_s: float) -> None:
         # Gauges (running, waiting, KV usage) are sampled, not updated per step: one stats call a second
@@ -96,3 +151,7 @@ class LLMServer:
         replica = getattr(self, "_replica", None)
         if replica is not None:
             await replica.shutdown(drain_timeout_s=self._drain_timeout_s)
+
+
+async def _yield_once(item: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    yield item

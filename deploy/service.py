@@ -1,4 +1,4 @@
-"""The OpenAI protocol logic of the ingress, shared by the HTTP routes and the Python handle API.
+"""The OpenAI protocol logic of the LLMServer, shared by the HTTP routes and the Python handle API.
 
 It checks the model name and the body, hands a `GenerateJob` to a `Backend` (the LLMServer deployment,
 or an in-process fake in unit tests) and turns the events into OpenAI responses or stream chunks.
@@ -29,7 +29,10 @@ _Format = CompletionFormat | ChatFormat
 
 
 class Backend(Protocol):
-    """The LLMServer deployment as the ingress sees it. Raises `OpenAIError` for overload/unavailable."""
+    """Where jobs run: the replica's own request path (`ReplicaBackend`), or a fake in unit tests.
+
+    Raises `OpenAIError` for overload/unavailable.
+    """
 
     def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]: ...
 

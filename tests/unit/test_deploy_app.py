@@ -11,10 +11,9 @@ import yaml
 from ray.serve import Application
 
 from tandem.deploy.app import (
-    INGRESS_SLACK,
+    ADMISSION_SLACK,
     REPLICA_CPUS,
     build_app,
-    ingress_options,
     llm_server_options,
     placement_bundles,
     resolve_device,
@@ -47,7 +46,7 @@ def test_placement_merges_the_replica_cpu_into_bundle_0() -> None:
 
 def test_llm_server_options_carry_the_user_settings() -> None:
     fixed = llm_server_options(AppArgs(max_ongoing_requests=7, max_queued_requests=9), "cpu")
-    assert (fixed["max_ongoing_requests"], fixed["max_queued_requests"], fixed["num_replicas"]) == (7, 9, 1)
+    assert fixed["num_replicas"] == 1
     assert fixed["placement_group_strategy"] == "STRICT_PACK"
     assert fixed["ray_actor_options"] == {"num_cpus": REPLICA_CPUS}
     scaled = AppArgs(
@@ -60,17 +59,22 @@ def test_llm_server_options_carry_the_user_settings() -> None:
     assert AppArgs().max_ongoing_requests < 10_000  # unlike Ray Serve LLM's 1e9 default
 
 
-def test_ingress_admits_everything_the_llm_servers_run_or_queue() -> None:
-    one = ingress_options(AppArgs(max_ongoing_requests=16, max_queued_requests=64))
-    assert one["max_ongoing_requests"] == 16 + 64 + INGRESS_SLACK and one["num_replicas"] == 1
-    assert one["max_queued_requests"] == -1  # overload is detected at the LLMServer handle, not the proxy
-    many = ingress_options(
-        AppArgs(
-            max_ongoing_requests=8, max_queued_requests=-1, autoscaling_config=AutoscalingArgs(max_replicas=4)
-        )
-    )
-    assert many["max_ongoing_requests"] == 2 * 4 * 8 + INGRESS_SLACK
-    assert many["autoscaling_config"]["max_replicas"] == 4
+def test_serve_admits_what_the_replica_runs_or_queues_itself() -> None:
+    # The replica applies max_ongoing/max_queued itself (Admission), so overload is its shaped 503;
+    # Serve lets in that much plus slack and never queues at the proxy (whose 503 is plain text).
+    one = llm_server_options(AppArgs(max_ongoing_requests=16, max_queued_requests=64), "cpu")
+    assert one["max_ongoing_requests"] == 16 + 64 + ADMISSION_SLACK
+    assert one["max_queued_requests"] == -1
+    unbounded = llm_server_options(AppArgs(max_ongoing_requests=8, max_queued_requests=-1), "cpu")
+    assert unbounded["max_ongoing_requests"] == 2 * 8 + ADMISSION_SLACK
+
+
+def test_the_app_is_one_deployment_that_is_its_own_ingress() -> None:
+    app = build_app(AppArgs())
+    deployment = app._bound_deployment  # type: ignore[attr-defined]
+    assert deployment.name == "LLMServer"
+    assert deployment.init_kwargs["max_running"] == 64 and deployment.init_kwargs["max_queued"] == 256
+    assert not any(hasattr(arg, "deployment") for arg in deployment.init_args)  # no handle to a 2nd hop
 
 
 def test_device_resolution() -> None:

@@ -1,0 +1,72 @@
+"""The `Backend` of an LLMServer replica: its own `GenerationService`, behind in-app admission.
+
+Requests run in this process (no Serve hop between the HTTP route and the model). Stats and health
+cover every replica of the deployment: they are broadcast through a handle to the replica's own
+deployment, which Serve resolves when first needed (so the backend also works outside Serve, in tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from ray.exceptions import RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from tandem.deploy.admission import Admission
+from tandem.deploy.generation import GenerationService
+from tandem.deploy.jobs import GenerateJob, JobEvent
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 10.0  # stats and health calls; a replica slower than this counts as unhealthy
+
+
+class ReplicaBackend:
+    def __init__(
+        self,
+        service: GenerationService,
+        admission: Admission,
+        deployment_handle: Callable[[], Any] | None = None,
+    ) -> None:
+        self._service = service
+        self._admission = admission
+        self._deployment_handle = deployment_handle
+        self._handle: Any = None
+
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
+        # The slot is held until the stream is closed (finished, or the client went away).
+        async with self._admission.slot(), aclosing(self._service.run(job)) as events:
+            async for event in events:
+                yield event
+
+    async def replica_stats(self) -> list[dict[str, Any]]:
+        try:
+            results = await self._broadcast("replica_stats")
+        except (DeploymentUnavailableError, TimeoutError):
+            return []  # no replica answering (all dead or being replaced): nothing to sum
+        return [r for r in results if isinstance(r, dict)]
+
+    async def replica_health(self) -> list[str | None]:
+        try:
+            results = await self._broadcast("check_health")
+        except TimeoutError:
+            return ["a replica did not answer its health check in time"]
+        except DeploymentUnavailableError as exc:
+            return [f"no model server is available: {exc}"]
+        return [None if not isinstance(r, BaseException) else _reason(r) for r in results]
+
+    async def _broadcast(self, method: str) -> list[Any]:
+        if self._handle is None and self._deployment_handle is not None:
+            self._handle = self._deployment_handle()
+        if self._handle is None:
+            return []  # outside Serve: no deployment to ask
+        broadcast = self._handle.broadcast(method)
+        return list(await broadcast.results_async(timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True))
+
+
+def _reason(exc: BaseException) -> str:
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    return f"{type(cause).__name__}: {cause}".splitlines()[0]
