@@ -17,6 +17,7 @@ import yaml
 from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
+from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
 DEFAULT_HOST = "127.0.0.1"
@@ -123,6 +124,9 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int) -> boo
     needed = max(1, replicas) * (args.tp_size * args.cpus_per_rank + REPLICA_CPUS)
     # Logical CPUs, not cores: rank actors mostly wait on the device, and a laptop must fit TP=2 on CPU.
     num_cpus = max(os.cpu_count() or 1, int(needed + 0.999))
+    # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
+    # shaped errors for failed replicas (a joined cluster must set it where its nodes start).
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     ray.init(num_cpus=num_cpus, _metrics_export_port=metrics_port)
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "

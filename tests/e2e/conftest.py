@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ class ServeApp:
     base_url: str  # http://127.0.0.1:<port>
     metrics_port: int
     served_model_name: str
-    handle: Any  # the app's DeploymentHandle (OpenAIIngress)
+    handle: Any  # the app's DeploymentHandle (LLMServer, the app's ingress)
 
 
 @contextlib.contextmanager
@@ -35,8 +36,11 @@ def running_serve_app(app_args: dict[str, Any], name: str = "tandem-e2e") -> Ite
 
     from tandem.deploy.app import build_app
     from tandem.deploy.args import AppArgs
+    from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     http_port, metrics_port = free_port(), free_port()
+    # As `tandem serve` and the Helm chart do: the proxy, started by this Ray, shapes replica failures.
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK
     ray.init(
         num_cpus=8,
         include_dashboard=False,

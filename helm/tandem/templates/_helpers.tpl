@@ -120,6 +120,10 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
 
 {{/* Environment shared by the head and the workers. */}}
 {{- define "tandem.env" -}}
+{{- /* Ray Serve's proxy wraps its HTTP app in tandem's middleware, which turns a replica dying mid-request
+       (or no replica at all) into an OpenAI-shaped 503 or error chunk; every node runs a proxy. */}}
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: "tandem.deploy.proxy_errors:proxy_middlewares"
 {{- $secret := include "tandem.hfTokenSecret" . }}
 {{- if $secret }}
 - name: HF_TOKEN
