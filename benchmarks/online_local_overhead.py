@@ -1,0 +1,113 @@
+"""`--serve-overhead` on one small machine: start a private Ray, deploy the app, measure, tear down.
+
+`benchmarks/serve_overhead.sh` runs `tandem serve`, whose local Ray gets as many CPUs as the host has
+cores; on a 2-core box the app's replica and rank take both, and the benchmark's in-process replica
+could not place its rank. This driver starts Ray with enough logical CPUs for both (as the e2e tests
+do), serves the embedded tiny model, and runs `online.py --serve-overhead` against it, adding two
+probes that split the overhead: the /v1/models round trip (proxy and FastAPI, no model) and the time to
+first token through the app's Python handle (no proxy, no HTTP).
+
+    python benchmarks/online_local_overhead.py --tag cpu-2core --requests 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.benchmarks import online
+
+APP = "tandem"
+MODEL = "tandem-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _probes(base_url: str, requests: int) -> dict[str, Any]:
+    import aiohttp
+    from ray import serve
+
+    models: list[float] = []
+    async with aiohttp.ClientSession(trust_env=False) as client:
+        for i in range(requests + 3):  # the first 3 warm up
+            start = time.perf_counter()
+            async with client.get(base_url + "/v1/models") as reply:
+                await reply.read()
+            if i >= 3:
+                models.append((time.perf_counter() - start) * 1e3)
+    handle = serve.get_app_handle(APP).options(stream=True)
+    ttft: list[float] = []
+    for i in range(requests + 3):
+        body = {
+            "model": MODEL,
+            "prompt": [(i * 7 + k) % 400 + 5 for k in range(32)],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        start, first = time.perf_counter(), None
+        async for chunk in handle.completions.remote(body):
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = (time.perf_counter() - start) * 1e3
+        if i >= 3 and first is not None:
+            ttft.append(first)
+    return {
+        "models_round_trip_ms_p50": round(statistics.median(models), 3),
+        "handle_ttft_ms_p50": round(statistics.median(ttft), 3) if ttft else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tag", default="cpu-local", help="Writes online-<tag>.json.")
+    p.add_argument("--requests", type=int, default=40, help="Sequential pairs (and probe requests).")
+    p.add_argument("--num-cpus", type=int, default=8, help="Logical CPUs of the private Ray.")
+    p.add_argument("--results-dir", type=Path, default=online.DEFAULT_RESULTS_DIR)
+    args = p.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from tandem.deploy.app import build_app
+    from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # as `tandem serve` does
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"served_model_name": MODEL, "device": "cpu"}), name=APP, route_prefix="/")
+        base_url = f"http://127.0.0.1:{port}"
+        probes = asyncio.run(_probes(base_url, args.requests))
+        print(f"probes: {probes}", flush=True)
+        online.main(
+            ["--base-url", base_url, "--model", MODEL, "--serve-overhead", "--overhead-device", "cpu"]
+            + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
+            + ["--results-dir", str(args.results_dir)]
+        )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    path = args.results_dir / f"online-{args.tag}.json"
+    result = json.loads(path.read_text())
+    result["serve_overhead"]["probes"] = probes
+    result["machine"] = {"cpus": os.cpu_count(), "note": "client, proxy, replica and rank share the host"}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
