@@ -33,9 +33,11 @@ class FusedKernels:
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
         """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split)."""
         # PDL is left off: it only shaves launch latency, and graph capture stays the plain kind.
-        if gemma:
-            return self._norm.gemma_rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
-        return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
+        if not gemma:
+            return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
+        # flashinfer's Gemma norm takes 2D input only; per-head q/k norms (Gemma 3) go through a copy.
+        flat = x.reshape(-1, x.shape[-1])
+        return self._norm.gemma_rmsnorm(flat, weight, eps, enable_pdl=False).view(x.shape)  # type: ignore[no-any-return]
 
     def add_rmsnorm(
         self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
@@ -62,6 +64,15 @@ class FusedKernels:
             self._tables[key] = table
         return table
 
-    def rope_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> None:
-        """Rotate-half (neox) rope on q [T, H, D] and k [T, Hkv, D], in place."""
-        self._rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, q.shape[-1], table, is_neox=True)
+    def rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half (neox) rope on q [T, H, D] and k [T, Hkv, D] (rows may be strided).
+
+        Out of place on purpose: the outputs are contiguous, which spares the attention kernel's
+        input a copy when q is a strided view of the merged QKV projection.
+        """
+        q_out, k_out = self._rope.apply_rope_with_cos_sin_cache(
+            positions, q, k, q.shape[-1], table, is_neox=True
+        )
+        return q_out.view(q.shape), k_out.view(k.shape)

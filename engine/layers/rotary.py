@@ -33,8 +33,8 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin from positions on the fly: no table sized by the context length.
 
-    With `FusedKernels` (CUDA) it rotates q and k in place with one kernel instead, reading a
-    cos/sin table that every layer with the same rope shares.
+    With `FusedKernels` (CUDA) it rotates q and k with one kernel instead, reading a cos/sin table
+    that every layer with the same rope shares.
     """
 
     def __init__(
@@ -52,8 +52,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kernels is not None and self.table is not None:
-            self.kernels.rope_(positions, q, k, self.table)
-            return q, k
+            return self.kernels.rope(positions, q, k, self.table)
         inv_freq = self.get_buffer("inv_freq")
         freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)

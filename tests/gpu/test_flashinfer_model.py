@@ -50,6 +50,7 @@ def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
 
     off = {"cuda_graph": False, "piecewise_cuda_graph": False}
     return {
+        "float32": build(attention_backend="torch", dtype="float32", **off),
         "torch": build(attention_backend="torch", **off),
         "flashinfer": build(attention_backend="flashinfer", **off),
         "graphs": build(
@@ -62,11 +63,21 @@ def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
     }
 
 
-def close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = float(expected.abs().max())
-    err = float((got - expected).abs().max())
-    assert err <= 0.05 * scale, f"{what}: max logit error {err:.4f} at scale {scale:.2f}"
-    agree = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
+def relative_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((got - truth).abs().max()) / float(truth.abs().max())
+
+
+def close(got: torch.Tensor, truth: torch.Tensor, bf16_reference: torch.Tensor, what: str) -> None:
+    """`got` is as close to the float32 truth as the bf16 torch reference is, within a factor of 2.
+
+    bf16 rounding alone moves these random-weight logits by ~5% of their scale (measured on CPU too),
+    and any two bf16 paths that round differently (fused norms, flashinfer's softmax) differ by as
+    much; a wrong page or stale KV errs by the logits' whole scale.
+    """
+    noise = max(relative_error(bf16_reference, truth), 0.01)
+    err = relative_error(got, truth)
+    assert err <= 2 * noise, f"{what}: max logit error {err:.3f} of scale, bf16 reference {noise:.3f}"
+    agree = float((got.argmax(-1) == truth.argmax(-1)).float().mean())
     assert agree >= 0.75, f"{what}: argmax agrees on only {agree:.0%} of rows"
 
 
@@ -89,7 +100,7 @@ def test_logits_agree_across_backends_and_graphs(
         batch = make_batch(ids[:n], spans, tables[:n], windows, PAGE, DEVICE)
         used["decode graph"] += graphs.decode_graphs.padded_size(batch) is not None
         used["piecewise"] += not batch.is_decode and graphs.piecewise.padded_size(batch) is not None
-        expected = ref.logits(batch)
-        close(engines["flashinfer"].logits(batch), expected, f"step {i}, flashinfer eager")
-        close(graphs.logits(batch), expected, f"step {i}, flashinfer with graphs")
+        truth, expected = engines["float32"].logits(batch), ref.logits(batch)
+        close(engines["flashinfer"].logits(batch), truth, expected, f"step {i}, flashinfer eager")
+        close(graphs.logits(batch), truth, expected, f"step {i}, flashinfer with graphs")
     assert used == {"decode graph": 3, "piecewise": 3}

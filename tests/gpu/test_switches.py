@@ -1,6 +1,10 @@
 """Issue 6: the same greedy tokens whatever the switches: overlap, copy stream, decode CUDA graphs,
-piecewise CUDA graphs, attention backend, chunked prefill (ties within bf16 rounding excepted; see
-conftest)."""
+piecewise CUDA graphs, chunked prefill (ties within bf16 rounding excepted; see conftest).
+
+Switches that change the arithmetic itself (the attention backend, fused norm/rope kernels) round
+differently everywhere, so a random bf16 model drifts by more than a near-tie: runs with those are
+compared against an all-off run with the same arithmetic. Their own accuracy is checked against
+float32 in test_flashinfer_model.py and test_fused_kernels.py."""
 
 from __future__ import annotations
 
@@ -62,24 +66,36 @@ def run(model_dir: Path, batch: list[list[int]], **options: Any) -> list[Any]:
     return outs
 
 
+NUMERICS = ("attention_backend", "fused_kernels")
+Reference = Callable[[dict[str, Any]], tuple[Path, list[list[int]], list[Any]]]
+
+
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])
-def reference(
-    request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
-) -> tuple[Path, list[list[int]], list[Any]]:
+def reference(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]) -> Reference:
+    """`reference(setting)`: the all-off run with the setting's arithmetic, built once per arithmetic."""
     model_dir = gpu_model_dir(request.param)
     batch = prompts(512)
-    return model_dir, batch, run(model_dir, batch, **OFF)
+    runs: dict[tuple[Any, ...], list[Any]] = {}
+
+    def get(setting: dict[str, Any]) -> tuple[Path, list[list[int]], list[Any]]:
+        numerics = {k: v for k, v in setting.items() if k in NUMERICS}
+        key = tuple(sorted(numerics.items()))
+        if key not in runs:
+            runs[key] = run(model_dir, batch, **OFF, **numerics)
+        return model_dir, batch, runs[key]
+
+    return get
 
 
 @pytest.mark.parametrize(
     "setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()) or "all-on"
 )
 def test_greedy_is_the_same_under_every_switch(
-    reference: tuple[Path, list[list[int]], list[Any]],
+    reference: Reference,
     setting: dict[str, Any],
     assert_same_greedy: Callable[[list[Any], list[Any]], None],
 ) -> None:
-    model_dir, batch, expected = reference
+    model_dir, batch, expected = reference(setting)
     outs = run(model_dir, batch, **setting)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert_same_greedy(expected, outs)
