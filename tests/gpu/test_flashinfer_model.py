@@ -64,19 +64,20 @@ def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
 
 
 def relative_error(got: torch.Tensor, truth: torch.Tensor) -> float:
-    return float((got - truth).abs().max()) / float(truth.abs().max())
+    """RMS error over RMS of the truth: steadier than the max, which one outlier logit moves."""
+    return float((got - truth).pow(2).mean().sqrt() / truth.pow(2).mean().sqrt())
 
 
 def close(got: torch.Tensor, truth: torch.Tensor, bf16_reference: torch.Tensor, what: str) -> None:
     """`got` is as close to the float32 truth as the bf16 torch reference is, within a factor of 2.
 
-    bf16 rounding alone moves these random-weight logits by ~5% of their scale (measured on CPU too),
-    and any two bf16 paths that round differently (fused norms, flashinfer's softmax) differ by as
-    much; a wrong page or stale KV errs by the logits' whole scale.
+    bf16 rounding alone moves these random-weight logits by 3-11% (RMS) of their scale, measured on
+    CPU too, and any two bf16 paths that round differently (fused norms, flashinfer's softmax) land
+    within 0.7-1.5x of each other there; a wrong page or stale KV errs by the logits' whole scale.
     """
     noise = max(relative_error(bf16_reference, truth), 0.01)
     err = relative_error(got, truth)
-    assert err <= 2 * noise, f"{what}: max logit error {err:.3f} of scale, bf16 reference {noise:.3f}"
+    assert err <= 2 * noise, f"{what}: RMS logit error {err:.3f} of scale, bf16 reference {noise:.3f}"
     agree = float((got.argmax(-1) == truth.argmax(-1)).float().mean())
     assert agree >= 0.75, f"{what}: argmax agrees on only {agree:.0%} of rows"
 
