@@ -64,6 +64,26 @@ class EngineArgs(BaseModel):
         description="Longest prompt plus output in tokens; unset uses the model's own limit.",
     )
 
+    # GPU ablation switches (docs/tuning.md); unset keeps the engine's default, which is "on".
+    attention_backend: Literal["auto", "flashinfer", "torch"] | None = Field(
+        default=None, description="Attention kernels: flashinfer on CUDA, or the torch reference."
+    )
+    piecewise_cuda_graph: bool | None = Field(
+        default=None, description="CUDA graphs of the layer pieces between attention calls (prefill)."
+    )
+    copy_stream: bool | None = Field(
+        default=None, description="Copy sampled tokens to the host on a dedicated CUDA stream."
+    )
+    fused_kernels: bool | None = Field(
+        default=None, description="flashinfer's fused RMS-norm and rope kernels instead of torch ops."
+    )
+    cuda_graph_max_bs: int | None = Field(
+        default=None, ge=1, description="Largest decode batch captured as a CUDA graph."
+    )
+    piecewise_max_tokens: int | None = Field(
+        default=None, ge=1, description="Largest prefill batch, in tokens, run through piecewise graphs."
+    )
+
     def to_llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `LLM(model, **kwargs)`: every field that is not None."""
         return self.model_dump(exclude_none=True)

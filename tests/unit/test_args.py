@@ -158,6 +158,26 @@ def test_to_llm_kwargs_drops_unset_options() -> None:
     assert "chunk_size" not in kwargs and "max_model_len" not in kwargs
 
 
+def test_engine_switches_reach_the_runtime_options() -> None:
+    """Every engine switch a serve config may set is a keyword the rank runtime accepts."""
+    from tandem.scheduler.runtime import RuntimeOptions
+
+    switches = {
+        "attention_backend": "torch",
+        "piecewise_cuda_graph": False,
+        "copy_stream": False,
+        "fused_kernels": False,
+        "cuda_graph_max_bs": 64,
+        "piecewise_max_tokens": 1024,
+    }
+    kwargs = EngineArgs.model_validate(switches).to_llm_kwargs()
+    assert {k: kwargs[k] for k in switches} == switches
+    options = RuntimeOptions(**kwargs)
+    assert all(getattr(options, k) == v for k, v in switches.items())
+    with pytest.raises(ValidationError):
+        EngineArgs.model_validate({"cuda_graph_max_bs": 0})
+
+
 def test_yaml_style_args_parse() -> None:
     """The shape a serve config's `args:` block has after YAML loading."""
     args = AppArgs.model_validate(
