@@ -29,7 +29,6 @@ from tandem.benchmarks import online_report as report
 from tandem.benchmarks.loadgen import (
     RequestResult,
     RequestSpec,
-    latency_stats,
     load_dataset,
     poisson_arrivals,
     request_body,
@@ -37,12 +36,12 @@ from tandem.benchmarks.loadgen import (
     summarize,
     synthetic_requests,
 )
+from tandem.benchmarks.serve_overhead import measure_serve_overhead
 
 DEFAULT_RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SERVE_OVERHEAD_TARGET_MS = 2.0  # at p50, on GPU (ARCHITECTURE §3)
-# Seed offsets of the warm-up and overhead prompts: distinct from every sweep point's (seed + index), so
-# no measured prompt was cached by an earlier one.
-WARMUP_SEED, OVERHEAD_SEED = 1_000_003, 2_000_003
+# Seed offset of the warm-up prompts: distinct from every sweep point's (seed + index), so no measured
+# prompt was cached by an earlier one (the overhead probe has its own, in serve_overhead.py).
+WARMUP_SEED = 1_000_003
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
@@ -178,96 +177,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"serve overhead failed: {exc!r}", file=sys.stderr)
                 overhead = {"error": f"{type(exc).__name__}: {exc}"}
     return {"mode": mode if loads else None, "points": points, "serve_overhead": overhead, "args": args}
-
-
-async def measure_serve_overhead(
-    client: aiohttp.ClientSession, url: str, args: argparse.Namespace, deadline: float
-) -> dict[str, Any]:
-    """TTFT over HTTP minus TTFT of `LLMReplica.generate` in this process, sequential requests (no
-    queueing), same prompts and sampling. Pairs alternate, so drift on the host hits both sides alike."""
-    import ray
-
-    from tandem.replicas.llm_replica import LLMReplica
-    from tandem.scheduler.sampling_params import SamplingParams
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        # 'local' is a private cluster: the server's may have no CPU or GPU left for another replica.
-        ray.init(address=args.overhead_ray_address, include_dashboard=False, log_to_driver=False)
-    replica = LLMReplica(
-        args.overhead_model, tp_size=1, device=args.overhead_device, engine=args.overhead_engine
-    )
-    try:
-        await replica.start()
-        sampling = SamplingParams(
-            max_tokens=args.overhead_max_tokens, temperature=args.temperature, ignore_eos=True
-        )
-        specs = synthetic_requests(
-            args.overhead_requests + 2,
-            args.overhead_input_len,
-            args.overhead_max_tokens,
-            vocab_size=args.vocab_size,
-            seed=args.seed + OVERHEAD_SEED,
-        )
-        http_s: list[float] = []
-        local_s: list[float] = []
-        errors: list[str] = []
-        for i, spec in enumerate(specs):
-            if time.perf_counter() >= deadline:
-                break
-            body = request_body(spec, args.model, "completions", args.temperature)
-            result = await send_request(client, url, body, spec.input_len, args.request_timeout_s)
-            assert isinstance(spec.prompt, list)  # synthetic_requests' default kind: token ids
-            local, local_error = await _inprocess_ttft(replica, spec.prompt, sampling)
-            if i < 2:  # the first pair of each side warms up
-                continue
-            for ttft, error, kept, side in (
-                (result.ttft if result.ok else None, result.error, http_s, "http"),
-                (local, local_error, local_s, "in-process"),
-            ):
-                if ttft is not None:
-                    kept.append(ttft)
-                else:
-                    errors.append(f"{side}: {error}")
-    finally:
-        await replica.shutdown(drain_timeout_s=5.0)
-        if started_ray:
-            ray.shutdown()
-    http_ms, local_ms = latency_stats(http_s), latency_stats(local_s)
-    overhead = None
-    if http_ms["p50"] is not None and local_ms["p50"] is not None:
-        overhead = round(http_ms["p50"] - local_ms["p50"], 3)
-    summary = {
-        "requests": len(local_s),
-        "failed": len(errors),
-        "errors": sorted(set(errors))[:5],
-        "input_len": args.overhead_input_len,
-        "max_tokens": args.overhead_max_tokens,
-        "http_ttft_ms": http_ms,
-        "inprocess_ttft_ms": local_ms,
-        "overhead_ms_p50": overhead,
-        "target_ms_p50": SERVE_OVERHEAD_TARGET_MS,
-    }
-    print(
-        f"serve overhead: TTFT p50 http {http_ms['p50']} ms - in-process {local_ms['p50']} ms = {overhead} ms"
-    )
-    return summary
-
-
-async def _inprocess_ttft(replica: Any, prompt: list[int], sampling: Any) -> tuple[float | None, str | None]:
-    """Seconds to the first chunk carrying a token, or the error. The stream is drained, so the next
-    pair starts with the replica idle."""
-    start = time.perf_counter()
-    first: float | None = None
-    try:
-        async for chunk in replica.generate(prompt, sampling):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter() - start
-            if chunk.error:
-                return None, str(chunk.error)
-    except (RuntimeError, ValueError) as exc:  # rejected or unhealthy: count it, keep measuring
-        return None, f"{type(exc).__name__}: {exc}"
-    return first, None if first is not None else "no token generated"
 
 
 def make_specs(args: argparse.Namespace, count: int, seed: int) -> list[RequestSpec]:
