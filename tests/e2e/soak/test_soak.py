@@ -3,7 +3,7 @@ against one CPU Serve app on loopback (tiny Qwen3, TP=1).
 
 The soak's size is `--soak-requests N` (or TANDEM_SOAK_REQUESTS): 1000 in CI, 10000 for the long form:
 
-    pytest tests/e2e/test_soak.py --soak-requests 10000 -s
+    pytest tests/e2e/soak/test_soak.py --soak-requests 10000 -s
 
 Every loop here is bounded in count and in time: each request by `REQUEST_TIMEOUT_S`, the soak by
 `soak_budget_s`, every wait for idleness by a deadline.
