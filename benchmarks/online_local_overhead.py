@@ -76,15 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=40, help="Sequential pairs (and probe requests).")
     p.add_argument("--num-cpus", type=int, default=8, help="Logical CPUs of the private Ray.")
     p.add_argument("--results-dir", type=Path, default=online.DEFAULT_RESULTS_DIR)
+    p.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy", help="As `tandem serve`.")
     args = p.parse_args(argv)
 
     import ray
     from ray import serve
 
     from tandem.deploy.app import build_app
-    from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from tandem.deploy.ingress_mode import ray_environment
 
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # as `tandem serve` does
+    for key, value in ray_environment(args.ingress).items():  # as `tandem serve` does
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(path.read_text())
     result["serve_overhead"]["probes"] = probes
     result["machine"] = {"cpus": os.cpu_count(), "note": "client, proxy, replica and rank share the host"}
+    result["ingress"] = args.ingress
     path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one)."
     )
+    serve.add_argument(
+        "--ingress",
+        choices=["proxy", "haproxy"],
+        default="proxy",
+        help="How HTTP reaches the replicas when this command starts Ray: Serve's proxy (default), or "
+        "HAProxy straight to the replicas, for lower latency (docs/serve-config.md#ingress).",
+    )
 
     bench = commands.add_parser("bench", help="Run the benchmarks.")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")

@@ -17,7 +17,7 @@ import yaml
 from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
-from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+from tandem.deploy.ingress_mode import ray_environment
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
 DEFAULT_HOST = "127.0.0.1"
@@ -84,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.deploy.app import build_app
 
     plan = plan_from_cli(args)
-    started_ray = _connect_ray(args.address, plan, args.metrics_port)
+    started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
     # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
@@ -106,8 +106,10 @@ def run_serve(args: argparse.Namespace) -> int:
             ray.shutdown()
 
 
-def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int) -> bool:
-    """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started."""
+def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingress: str = "proxy") -> bool:
+    """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
+
+    A joined cluster keeps the ingress mode its nodes were started with (see ingress_mode.py)."""
     import ray
 
     existing = address or os.environ.get("RAY_ADDRESS") or _ray_start_address()
@@ -115,6 +117,13 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int) -> boo
         try:
             ray.init(address=existing)
             print(f"tandem: joined the Ray cluster at {existing}", file=sys.stderr, flush=True)
+            if ingress != "proxy":
+                print(
+                    f"tandem: --ingress {ingress} applies to a Ray this command starts; this cluster "
+                    "keeps the mode its nodes were started with",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return False
         except ConnectionError:
             if address:
@@ -125,8 +134,9 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int) -> boo
     # Logical CPUs, not cores: rank actors mostly wait on the device, and a laptop must fit TP=2 on CPU.
     num_cpus = max(os.cpu_count() or 1, int(needed + 0.999))
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
-    # shaped errors for failed replicas (a joined cluster must set it where its nodes start).
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    # shaped errors for failed replicas, and the controller the ingress mode.
+    for key, value in ray_environment(ingress).items():
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=num_cpus, _metrics_export_port=metrics_port)
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "

@@ -3,15 +3,18 @@ command). It runs as a real subprocess that starts its own Ray instance."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import pytest
 
 from tandem.deploy.cli import DEFAULT_METRICS_PORT, DEFAULT_PORT
 
@@ -33,8 +36,10 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -> None:
-    command = ["tandem", "serve"]
+@contextlib.contextmanager
+def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """Run `tandem serve` + extra as a subprocess; yield (base URL ending in /v1, stderr file)."""
+    command = ["tandem", "serve", *extra]
     if not (_is_free(DEFAULT_PORT) and _is_free(DEFAULT_METRICS_PORT)):
         # Something else holds the defaults on this machine; only then pass ports.
         command += ["--port", str(_free_port()), "--metrics-port", str(_free_port())]
@@ -57,13 +62,7 @@ def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -
         assert ready.wait(STARTUP_TIMEOUT_S), f"no URL printed; stderr:\n{stderr_path.read_text()[-3000:]}"
         match = re.search(r"(http://\S+/v1)", "".join(lines))
         assert match is not None, lines
-        client = openai.OpenAI(base_url=match.group(1), api_key="unused", timeout=60, max_retries=0)
-        reply = client.chat.completions.create(
-            model="tandem-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
-        )
-        assert reply.choices[0].message.role == "assistant"
-        assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
-        assert "loading 'tandem-tiny'" in stderr_path.read_text()  # progress while the model loads
+        yield match.group(1), stderr_path
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -72,3 +71,39 @@ def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -
             process.kill()
             process.wait(timeout=30)
     assert process.returncode == 0, stderr_path.read_text()[-3000:]
+
+
+def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -> None:
+    with tandem_serve([], tmp_path) as (url, stderr_path):
+        client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
+        reply = client.chat.completions.create(
+            model="tandem-tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
+        assert reply.choices[0].message.role == "assistant"
+        assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
+        assert "loading 'tandem-tiny'" in stderr_path.read_text()  # progress while the model loads
+
+
+def _haproxy_running() -> bool:
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text().strip() == "haproxy":
+                return True
+    return False
+
+
+def test_haproxy_ingress_serves_streams_without_the_python_proxy(tmp_path: Path) -> None:
+    """`--ingress haproxy`: Ray's HAProxy on the app port, straight to the replica's own HTTP server."""
+    with tandem_serve(["--ingress", "haproxy"], tmp_path) as (url, _):
+        assert _haproxy_running()
+        client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
+        stream = client.completions.create(
+            model="tandem-tiny", prompt="The fox", max_tokens=12, stream=True, temperature=0
+        )
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        whole = client.completions.create(model="tandem-tiny", prompt="The fox", max_tokens=12, temperature=0)
+        assert text == whole.choices[0].text  # streamed and not, through HAProxy, agree
+        # Errors keep the OpenAI shape: the app, not the Python proxy, writes them.
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+        assert isinstance(caught.value.body, dict) and "message" in caught.value.body

@@ -105,3 +105,18 @@ def test_progress_is_printed_until_running(monkeypatch: pytest.MonkeyPatch) -> N
     out = io.StringIO()
     assert not wait_until_running("app", "tiny", out)
     assert "out of GPUs" in out.getvalue()
+
+
+def test_ingress_modes_set_the_ray_environment() -> None:
+    from tandem.deploy.ingress_mode import HAPROXY_ENV, ray_environment
+    from tandem.deploy.proxy_errors import PROXY_CALLBACK_ENV
+
+    assert build_parser().parse_args(["serve"]).ingress == "proxy"
+    assert build_parser().parse_args(["serve", "--ingress", "haproxy"]).ingress == "haproxy"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--ingress", "nginx"])
+    proxy, haproxy = ray_environment("proxy"), ray_environment("haproxy")
+    assert HAPROXY_ENV not in proxy and haproxy[HAPROXY_ENV] == "1"
+    assert PROXY_CALLBACK_ENV in proxy and PROXY_CALLBACK_ENV in haproxy  # the proxy stays as a fallback
+    with pytest.raises(ValueError, match="ingress must be one of"):
+        ray_environment("nginx")
