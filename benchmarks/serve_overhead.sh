@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Online serving on one host: start `tandem serve`, sweep a few concurrencies, and measure what Ray
 # Serve adds to TTFT (HTTP minus in-process LLMReplica.generate). Writes benchmarks/results/online-<tag>.json.
-#   usage: benchmarks/serve_overhead.sh [cpu|cuda] [TAG]
+#   usage: benchmarks/serve_overhead.sh [cpu|cuda] [TAG] [proxy|haproxy]
 set -uo pipefail
-DEVICE=${1:-cuda}; TAG=${2:-tiny-$DEVICE}
+DEVICE=${1:-cuda}; TAG=${2:-tiny-$DEVICE}; INGRESS=${3:-proxy}
 MODEL=$(python3 -c "from tandem.engine.tiny import default_model_dir; print(default_model_dir())")
 ENGINE='{"num_pages": 8192}'  # the tiny model's pool; leaves the GPU to the in-process replica too
 tandem serve --model "$MODEL" --served-model-name tandem-tiny --device "$DEVICE" --port 8000 \
-  > /tmp/tandem-serve.log 2>&1 &
+  --ingress "$INGRESS" > /tmp/tandem-serve.log 2>&1 &
 SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; sleep 3; kill -9 $SERVER 2>/dev/null' EXIT
 for _ in $(seq 1 240); do  # bounded wait for the app to answer
