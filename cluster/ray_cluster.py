@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import ray
+
+from tandem.engine.environment import ray_address
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> bool:
@@ -16,7 +17,7 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> bool:
     """
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or ray_address()
     ray.init(address=address, ignore_reinit_error=True, **init_kwargs)
     return True
 

@@ -18,6 +18,7 @@ from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.ingress_mode import ray_environment
+from tandem.engine.environment import ray_address
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
 DEFAULT_HOST = "127.0.0.1"
@@ -112,7 +113,7 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
     A joined cluster keeps the ingress mode its nodes were started with (see ingress_mode.py)."""
     import ray
 
-    existing = address or os.environ.get("RAY_ADDRESS") or _ray_start_address()
+    existing = address or ray_address() or _ray_start_address()
     if existing:
         try:
             ray.init(address=existing)

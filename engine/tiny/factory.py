@@ -29,6 +29,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from tandem.engine.environment import cache_home
+
 from .tokenizer import EOS_TOKEN, IM_END_TOKEN, MODEL_MAX_LENGTH, load_tiny_tokenizer, special_token_ids
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
@@ -212,8 +214,7 @@ def make_tiny_model(
 
 
 def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tandem" / f"tiny-default-{DEFAULT_MODEL_VERSION}"
+    return cache_home() / "tandem" / f"tiny-default-{DEFAULT_MODEL_VERSION}"
 
 
 def _is_complete(model_dir: Path) -> bool:
