@@ -111,10 +111,13 @@ def run_one(
     # Warm-up: first-use kernel setup (and flashinfer builds, if not cached) stays out of the timing.
     llm.generate(prompts[:8], SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True), use_tqdm=False)
     sync(engine.config.device)
+    timer = llm.runtime.scheduler.timer
+    timer.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync(engine.config.device)
     elapsed = time.perf_counter() - start
+    phases = timer.summary()
     output_tokens = sum(len(o.token_ids) for o in outs)
     assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos runs must produce every token"
     result = {
@@ -125,11 +128,24 @@ def run_one(
         "total_tok_per_s": (output_tokens + sum(map(len, prompts))) / elapsed,
         "engine_init_s": init_s,
         "graph_capture_s": engine.capture_seconds,
+        # Loop phases (scheduler/step_timer.py): `wait` (blocked on the device) sits inside
+        # `process_results`; the rest of schedule + launch + process_results is host time.
+        "step_phases": phases,
+        "host_ms_per_step": host_ms_per_step(phases),
     }
     llm.shutdown()
     del llm, engine
     release_memory()
     return result
+
+
+def host_ms_per_step(phases: dict[str, dict[str, float]]) -> float | None:
+    """Mean host milliseconds per launched step: schedule + launch + processing, minus the device wait."""
+    launches = phases.get("launch", {}).get("calls", 0)
+    if not launches:
+        return None
+    busy = sum(phases.get(p, {}).get("total_s", 0.0) for p in ("schedule", "launch", "process_results"))
+    return round(1e3 * (busy - phases.get("wait", {}).get("total_s", 0.0)) / launches, 4)
 
 
 def hf_peer(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
@@ -211,7 +227,12 @@ def main() -> None:
     for name in names:
         runs[name] = run_one(model_dir, ABLATIONS[name], prompts, params, args)
         runs[name]["percent_of_roofline"] = 100 * floor["floor_s"] / runs[name]["elapsed_s"]
-        print(f"{name}: {runs[name]['output_tok_per_s']:.0f} output tok/s", flush=True)
+        wait = runs[name]["step_phases"].get("wait", {}).get("mean_ms")
+        print(
+            f"{name}: {runs[name]['output_tok_per_s']:.0f} output tok/s; host "
+            f"{runs[name]['host_ms_per_step']} ms/step, device wait {wait} ms/step",
+            flush=True,
+        )
     peer = None
     if args.hf_peer:
         try:

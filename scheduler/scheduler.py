@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
-from torch.profiler import record_function
 
 from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.streams import StreamSet
@@ -21,6 +20,7 @@ from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
+from tandem.scheduler.step_timer import StepTimer
 from tandem.scheduler.table import RequestTable
 
 
@@ -54,6 +54,7 @@ class Scheduler:
         emit: Callable[[list[TokenOutput]], None],
     ) -> None:
         self.config = config
+        self.timer = StepTimer()  # wall time per loop phase (see step_timer.py)
         self.engine = engine
         self.kv = kv
         self.streams = streams
@@ -197,7 +198,8 @@ class Scheduler:
         return InFlight(prepared, output)
 
     def _process(self, done: InFlight) -> None:
-        done.output.copy_done.synchronize()
+        with self.timer.phase("wait"):  # blocked on the device: the rest of the step is host time
+            done.output.copy_done.synchronize()
         batch_id = done.prepared.batch_id
         self.last_processed = batch_id
         self.inflight_pages.pop(batch_id, None)
@@ -221,25 +223,29 @@ class Scheduler:
         assert self.streams.is_current(self.streams.scheduler), "normal loop runs on the scheduler stream"
         for msg in receive(not self.has_work):
             self.handle(msg)
-        prepared = self._schedule()
+        with self.timer.phase("schedule"):
+            prepared = self._schedule()
         if prepared is not None:
-            self._process(self._launch(prepared))
+            with self.timer.phase("launch"):
+                done = self._launch(prepared)
+            with self.timer.phase("process_results"):
+                self._process(done)
 
     def overlap_step(self, receive: MessageSource, last: InFlight | None) -> InFlight | None:
         """Launch batch N on the engine stream, then process batch N-1 while N runs."""
         assert self.streams.is_current(self.streams.scheduler), "overlap loop schedules on its stream"
         for msg in receive(last is None and not self.has_work):
             self.handle(msg)
-        with record_function("tandem.schedule"):
+        with self.timer.phase("schedule"):
             prepared = self._schedule()
         ongoing = None
         if prepared is not None:
-            with self.streams.use(self.streams.engine), record_function("tandem.launch"):
+            with self.streams.use(self.streams.engine), self.timer.phase("launch"):
                 self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
                 ongoing = self._launch(prepared)
         if last is not None:
-            with record_function("tandem.process_results"):
+            with self.timer.phase("process_results"):
                 self._process(last)
         return ongoing
 
