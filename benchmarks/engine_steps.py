@@ -53,6 +53,12 @@ def sampling(batch: int, device: torch.device) -> SamplingBatch:
         presence_penalty=full(0.0),
         frequency_penalty=full(0.0),
         repetition_penalty=full(1.0),
+        # The host flags the batch builder sets for these rows (temperature only: no top-k/top-p, no
+        # min-p, no per-request seed), so the sampler runs as it does in serving. Left at their
+        # conservative defaults, they made every step sort the whole vocabulary and run the seeded hash.
+        any_top_k_top_p=False,
+        any_min_p=False,
+        any_explicit_seed=False,
     )
 
 
