@@ -2,8 +2,8 @@
 
 flashinfer compiles each kernel variant on first use, one after another (tens of seconds to minutes
 each on an H200). tandem needs one module per (head_dim, sliding window, soft-cap) in bf16: the fa2
-paged prefill module, which also serves tensor-core decode (see FlashInferBackend), plus the norm
-and rope modules of the fused kernels. Building them
+paged prefill module, which also serves tensor-core decode (see FlashInferBackend), plus the norm,
+rope and activation modules of the fused kernels. Building them
 together uses every core at once; `save_fi_cache DIR` (from .device/gpu-env.sh) then keeps them for
 the next host. Best effort: if this flashinfer's internals differ, the kernels still build lazily.
 
@@ -33,6 +33,7 @@ def main() -> int:
     variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
     try:
         from flashinfer.jit import build_jit_specs
+        from flashinfer.jit.activation import gen_act_and_mul_module
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
         from flashinfer.jit.norm import gen_norm_module
         from flashinfer.jit.rope import gen_rope_module
@@ -45,7 +46,9 @@ def main() -> int:
             )
             for d, window, softcap in variants
         ]
-        specs += [gen_norm_module(), gen_rope_module()]  # the fused kernels (engine/layers/fused.py)
+        # The fused kernels (engine/layers/fused.py): norms, rope, and the MLP's act-and-mul.
+        specs += [gen_norm_module(), gen_rope_module()]
+        specs += [gen_act_and_mul_module(name) for name in ("silu", "gelu_tanh")]
         start = time.perf_counter()
         build_jit_specs(specs)
     except Exception as exc:  # the kernels will still build on first use

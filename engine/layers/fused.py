@@ -1,7 +1,7 @@
 """flashinfer's fused RMS-norm and rope kernels, used on CUDA in place of the torch reference ops.
 
 Why: a float32 RMS norm written in torch is ~8 elementwise launches and a rotate-half rope ~20; a
-Qwen3 layer has five norms and one rope. Inside a decode CUDA graph each tiny launch still costs a
+Qwen3 layer has five norms and one rope, and its MLP's activation and product are two more. Inside a decode CUDA graph each tiny launch still costs a
 few microseconds of GPU time, so at small and medium batch those launches, not the GEMMs or the KV
 reads, set the step time. One kernel per norm (residual add included) and one per rope fixes that.
 
@@ -27,6 +27,7 @@ class FusedKernels:
 
         self._norm: Any = flashinfer.norm
         self._rope: Any = flashinfer.rope
+        self._activation: Any = flashinfer.activation
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -48,6 +49,14 @@ class FusedKernels:
         else:
             self._norm.fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
         return delta, residual
+
+    def act_and_mul(self, x: torch.Tensor, *, gelu: bool) -> torch.Tensor:
+        """act(x[..., :d]) * x[..., d:] for the merged gate/up output, in one kernel (no [T, d] temporaries).
+
+        The torch reference rounds act(gate) to bf16 before the product; this rounds once, in float32.
+        """
+        act = self._activation.gelu_tanh_and_mul if gelu else self._activation.silu_and_mul
+        return act(x, enable_pdl=False)  # type: ignore[no-any-return]
 
     def cos_sin_table(self, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
         """float32 [max_positions, rotary_dim]: cos in the first half, sin in the second.

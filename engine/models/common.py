@@ -127,9 +127,13 @@ class MLP(nn.Module):
             c.intermediate_size, c.hidden_size, b.tp, bias=False, dtype=b.dtype, device=b.device
         )
         self.gelu = c.hidden_act.startswith("gelu")
+        self.kernels = b.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        merged = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.act_and_mul(merged, gelu=self.gelu))  # type: ignore[no-any-return]
+        gate, up = merged.chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)  # type: ignore[no-any-return]
 

@@ -1,4 +1,4 @@
-"""The fused flashinfer norm and rope kernels against the torch reference ops they replace on CUDA."""
+"""The fused flashinfer norm, rope and activation kernels against the torch reference ops they replace on CUDA."""
 
 from __future__ import annotations
 
@@ -85,3 +85,15 @@ def test_rope_matches_the_reference(kernels: FusedKernels, rope: RopeConfig) -> 
     close(got_k, want_k)
     # Layers with the same rope share one table.
     assert RotaryEmbedding(rope, 128, DEVICE, kernels).table is fused.table
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_act_and_mul_matches_the_reference(kernels: FusedKernels, gelu: bool) -> None:
+    """The MLP's act(gate) * up on the merged gate/up output (Llama's silu, Gemma's tanh gelu)."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    merged = torch.randn(13, 2 * 3072, generator=g, device=DEVICE).to(BF16) * 2
+    gate, up = merged.chunk(2, dim=-1)
+    act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    got = kernels.act_and_mul(merged, gelu=gelu)
+    assert got.shape == (13, 3072)
+    close(got, act * up)
