@@ -8,6 +8,7 @@ probes that split the overhead: the /v1/models round trip (proxy and FastAPI, no
 first token through the app's Python handle (no proxy, no HTTP).
 
     python benchmarks/online_local_overhead.py --tag cpu-2core --requests 40
+    python benchmarks/online_local_overhead.py --device cuda --ingress haproxy --tag h200-tiny-haproxy
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.benchmarks import online
+from tandem.benchmarks import online, online_report, serve_overhead
 
 APP = "tandem"
 MODEL = "tandem-tiny"
@@ -77,6 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=8, help="Logical CPUs of the private Ray.")
     p.add_argument("--results-dir", type=Path, default=online.DEFAULT_RESULTS_DIR)
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy", help="As `tandem serve`.")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="Where both engines run (the app's and the in-process one).",
+    )
+    p.add_argument(
+        "--order",
+        choices=["pairs", "sides"],
+        default=None,
+        help="pairs: HTTP and in-process requests alternate (default on cpu). sides: the in-process side "
+        "runs first, on its own, and the app is deployed after it (default on cuda: one GPU holds one "
+        "engine at a time, and Ray will not place a second rank on it).",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -87,21 +102,57 @@ def main(argv: list[str] | None = None) -> int:
 
     for key, value in ray_environment(args.ingress).items():  # as `tandem serve` does
         os.environ.setdefault(key, value)
+    overhead_args = online.build_parser().parse_args(
+        [
+            "--base-url",
+            "http://unused",
+            "--model",
+            MODEL,
+            "--serve-overhead",
+            "--overhead-device",
+            args.device,
+        ]
+        + ["--overhead-requests", str(args.requests)]
+    )
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
+        local = None
+        if (args.order or ("sides" if args.device == "cuda" else "pairs")) == "sides":
+            local = asyncio.run(serve_overhead.measure_inprocess(overhead_args))
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"served_model_name": MODEL, "device": "cpu"}), name=APP, route_prefix="/")
+        serve.run(build_app({"served_model_name": MODEL, "device": args.device}), name=APP, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         probes = asyncio.run(_probes(base_url, args.requests))
         print(f"probes: {probes}", flush=True)
-        online.main(
-            ["--base-url", base_url, "--model", MODEL, "--serve-overhead", "--overhead-device", "cpu"]
-            + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
-            + ["--results-dir", str(args.results_dir)]
-        )
+        if local is not None:
+            http = asyncio.run(serve_overhead.measure_http(base_url + "/v1/completions", overhead_args))
+            summary = serve_overhead.overhead_summary(
+                http, local, overhead_args, order="in-process, then HTTP"
+            )
+            sides: dict[str, Any] = {
+                "mode": None,
+                "points": [],
+                "serve_overhead": summary,
+                "args": overhead_args,
+            }
+            online_report.write(sides, args.results_dir, args.tag, plot=False)
+        else:
+            online.main(
+                [
+                    "--base-url",
+                    base_url,
+                    "--model",
+                    MODEL,
+                    "--serve-overhead",
+                    "--overhead-device",
+                    args.device,
+                ]
+                + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
+                + ["--results-dir", str(args.results_dir)]
+            )
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call,unused-ignore]
         ray.shutdown()
     path = args.results_dir / f"online-{args.tag}.json"
     result = json.loads(path.read_text())

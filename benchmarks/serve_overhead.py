@@ -4,7 +4,10 @@ in this process, sequential requests at low load (`tandem bench online --serve-o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -15,11 +18,30 @@ SERVE_OVERHEAD_TARGET_MS = 2.0  # at p50, on GPU (ARCHITECTURE §3)
 OVERHEAD_SEED = 2_000_003  # distinct from the sweep's and the warm-up's prompts: none is cached
 
 
-async def measure_serve_overhead(
-    client: aiohttp.ClientSession, url: str, args: argparse.Namespace, deadline: float
-) -> dict[str, Any]:
-    """TTFT over HTTP minus TTFT of `LLMReplica.generate` in this process, sequential requests (no
-    queueing), same prompts and sampling. Pairs alternate, so drift on the host hits both sides alike."""
+@dataclass
+class Side:
+    """What one side of the comparison measured: seconds to first text, per request, and failures."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)  # in-process only: the first token id
+    errors: list[str] = field(default_factory=list)
+
+
+def overhead_specs(args: argparse.Namespace) -> list[Any]:
+    """The probe's prompts; the first two of each side warm up and are not counted."""
+    return synthetic_requests(
+        args.overhead_requests + 2,
+        args.overhead_input_len,
+        args.overhead_max_tokens,
+        vocab_size=args.vocab_size,
+        seed=args.seed + OVERHEAD_SEED,
+    )
+
+
+@contextlib.asynccontextmanager
+async def inprocess_replica(args: argparse.Namespace) -> AsyncIterator[tuple[Any, Any]]:
+    """(LLMReplica, SamplingParams) in this process, started and then drained; Ray is started (and
+    stopped) here when none is initialized."""
     import ray
 
     from tandem.replicas.llm_replica import LLMReplica
@@ -34,56 +56,92 @@ async def measure_serve_overhead(
     )
     try:
         await replica.start()
-        sampling = SamplingParams(
-            max_tokens=args.overhead_max_tokens, temperature=args.temperature, ignore_eos=True
+        yield (
+            replica,
+            SamplingParams(
+                max_tokens=args.overhead_max_tokens, temperature=args.temperature, ignore_eos=True
+            ),
         )
-        specs = synthetic_requests(
-            args.overhead_requests + 2,
-            args.overhead_input_len,
-            args.overhead_max_tokens,
-            vocab_size=args.vocab_size,
-            seed=args.seed + OVERHEAD_SEED,
-        )
-        http_s: list[float] = []
-        local_s: list[float] = []
-        first_token_s: list[float] = []  # in-process, to the first token id (not yet visible text)
-        errors: list[str] = []
-        for i, spec in enumerate(specs):
-            if time.perf_counter() >= deadline:
-                break
-            body = request_body(spec, args.model, "completions", args.temperature)
-            result = await send_request(client, url, body, spec.input_len, args.request_timeout_s)
-            assert isinstance(spec.prompt, list)  # synthetic_requests' default kind: token ids
-            local, first_token, local_error = await _inprocess_ttft(replica, spec.prompt, sampling)
-            if i < 2:  # the first pair of each side warms up
-                continue
-            if first_token is not None:
-                first_token_s.append(first_token)
-            for ttft, error, kept, side in (
-                (result.ttft if result.ok else None, result.error, http_s, "http"),
-                (local, local_error, local_s, "in-process"),
-            ):
-                if ttft is not None:
-                    kept.append(ttft)
-                else:
-                    errors.append(f"{side}: {error}")
     finally:
         await replica.shutdown(drain_timeout_s=5.0)
         if started_ray:
             ray.shutdown()
-    http_ms, local_ms = latency_stats(http_s), latency_stats(local_s)
+
+
+async def _http_once(
+    client: aiohttp.ClientSession, url: str, args: argparse.Namespace, spec: Any, side: Side, count: bool
+) -> None:
+    body = request_body(spec, args.model, "completions", args.temperature)
+    result = await send_request(client, url, body, spec.input_len, args.request_timeout_s)
+    if count:
+        if result.ok and result.ttft is not None:
+            side.ttft_s.append(result.ttft)
+        else:
+            side.errors.append(f"http: {result.error}")
+
+
+async def _inprocess_once(replica: Any, sampling: Any, spec: Any, side: Side, count: bool) -> None:
+    assert isinstance(spec.prompt, list)  # synthetic_requests' default kind: token ids
+    ttft, first_token, error = await _inprocess_ttft(replica, spec.prompt, sampling)
+    if not count:
+        return
+    if first_token is not None:
+        side.first_token_s.append(first_token)
+    if ttft is not None:
+        side.ttft_s.append(ttft)
+    else:
+        side.errors.append(f"in-process: {error}")
+
+
+async def measure_serve_overhead(
+    client: aiohttp.ClientSession, url: str, args: argparse.Namespace, deadline: float
+) -> dict[str, Any]:
+    """TTFT over HTTP minus TTFT of `LLMReplica.generate` in this process, sequential requests (no
+    queueing), same prompts and sampling. Pairs alternate, so drift on the host hits both sides alike."""
+    http, local = Side(), Side()
+    async with inprocess_replica(args) as (replica, sampling):
+        for i, spec in enumerate(overhead_specs(args)):
+            if time.perf_counter() >= deadline:
+                break
+            await _http_once(client, url, args, spec, http, count=i >= 2)
+            await _inprocess_once(replica, sampling, spec, local, count=i >= 2)
+    return overhead_summary(http, local, args, order="interleaved pairs")
+
+
+async def measure_inprocess(args: argparse.Namespace) -> Side:
+    """The in-process side alone, for hosts where it cannot share the accelerator with the app (one
+    GPU): run it before the app is deployed, then `measure_http`."""
+    local = Side()
+    async with inprocess_replica(args) as (replica, sampling):
+        for i, spec in enumerate(overhead_specs(args)):
+            await _inprocess_once(replica, sampling, spec, local, count=i >= 2)
+    return local
+
+
+async def measure_http(url: str, args: argparse.Namespace) -> Side:
+    http = Side()
+    async with aiohttp.ClientSession(trust_env=False) as client:
+        for i, spec in enumerate(overhead_specs(args)):
+            await _http_once(client, url, args, spec, http, count=i >= 2)
+    return http
+
+
+def overhead_summary(http: Side, local: Side, args: argparse.Namespace, *, order: str) -> dict[str, Any]:
+    http_ms, local_ms = latency_stats(http.ttft_s), latency_stats(local.ttft_s)
     overhead = None
     if http_ms["p50"] is not None and local_ms["p50"] is not None:
         overhead = round(http_ms["p50"] - local_ms["p50"], 3)
+    errors = http.errors + local.errors
     summary = {
-        "requests": len(local_s),
+        "requests": len(local.ttft_s),
+        "order": order,
         "failed": len(errors),
         "errors": sorted(set(errors))[:5],
         "input_len": args.overhead_input_len,
         "max_tokens": args.overhead_max_tokens,
         "http_ttft_ms": http_ms,
         "inprocess_ttft_ms": local_ms,
-        "inprocess_first_token_ms": latency_stats(first_token_s),
+        "inprocess_first_token_ms": latency_stats(local.first_token_s),
         "overhead_ms_p50": overhead,
         "target_ms_p50": SERVE_OVERHEAD_TARGET_MS,
     }
