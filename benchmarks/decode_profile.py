@@ -161,7 +161,8 @@ def main() -> None:
         replay_ms = None
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
         if graphs is not None and graph_bs is not None:
-            graphs.run(batch, graph_bs)
+            with torch.inference_mode():  # the graph's static buffers are inference tensors
+                graphs.run(batch, graph_bs)
             replay_ms = per_call_us(graphs.graphs[graph_bs].replay, reps=10, pairs=5) / 1e3
         # Kernels inside graph replays may not reach the profiler, so families come from eager steps
         # (the same kernels; only the gaps between them differ). The top list is of graph steps.
