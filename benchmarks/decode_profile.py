@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tandem.benchmarks.common import RESULTS, cuda_times, measure_ceilings, print_table, write_result
 from tandem.benchmarks.engine_steps import PAGE, build_engine, decode_batch, seconds_per_step
-from tandem.benchmarks.shapes import LLAMA_3_1_8B, write_random_model
+from tandem.benchmarks.shapes import LLAMA_3_1_8B, ModelCost, write_random_model
 from tandem.engine.engine import Engine
 
 # First match wins; names are CUDA kernel names as the profiler reports them.
@@ -153,6 +153,8 @@ def main() -> None:
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
     engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
     graphs = engine.decode_graphs
+    cost = ModelCost.of(engine.model_config)
+    rate = ceilings["bf16_matmul_TFLOPs"] * 1e12
     steps: list[dict[str, Any]] = []
     kernels: dict[int, Any] = {}
     for bs in batches:
@@ -176,6 +178,7 @@ def main() -> None:
             {
                 "batch": bs,
                 "step_ms": step_ms,
+                "floor_ms": cost.decode_step_floor([args.context] * bs, bandwidth, rate) * 1e3,
                 "graph_replay_ms": replay_ms,
                 "kernel_busy_ms": busy,
                 **{f"{name}_us": round(f["us"], 1) for name, f in sorted(table.items())},

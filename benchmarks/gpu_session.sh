@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
-#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|offline|latency|hf|serve [OUT]
-# About: tests 6 min (kernel builds included), offline 4, latency 6, hf 5, serve 4 (per ingress mode).
+#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|offline|latency|profile|hf|serve [OUT]
+# About: tests 6 min (kernel builds included), offline 4, latency 6, profile 4, hf 5, serve 3.
 set -uo pipefail
-PHASE=${1:?phase: tests, offline, latency, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
+PHASE=${1:?phase: tests, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
 export TANDEM_COMMIT=${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 run() {  # name, timeout in s, command...: log to OUT/name.log, say how it ended
@@ -31,12 +31,17 @@ case $PHASE in
   hf)
     run hf-peer 560 python3 benchmarks/offline.py --ablations all-on --hf-peer --tag hf-peer --out-dir "$OUT"
     tail -4 "$OUT/hf-peer.log" ;;
+  profile)
+    run prebuild 200 python3 benchmarks/prebuild_kernels.py
+    run decode-profile 300 python3 benchmarks/decode_profile.py --steps 30 --out-dir "$OUT"
+    tail -8 "$OUT/decode-profile.log" ;;
   serve)
-    for mode in proxy haproxy; do
-      run "serve-$mode" 280 bash benchmarks/serve_overhead.sh cuda "h200-tiny-$mode" "$mode"
-      cp /tmp/tandem-serve.log "$OUT/tandem-serve-$mode.log" 2>/dev/null
-      cp "benchmarks/results/online-h200-tiny-$mode".* "$OUT/" 2>/dev/null
-      grep -h "serve overhead" "$OUT/serve-$mode.log"
+    # A private Ray without the dashboard; the in-process side first, then the app (one GPU).
+    for mode in haproxy proxy; do
+      run "serve-$mode" 150 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \
+        --num-cpus 16 --tag "h200-tiny-$mode" --results-dir "$OUT"
+      ray stop --force >/dev/null 2>&1
+      grep -h "serve overhead\|probes" "$OUT/serve-$mode.log"
     done ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac

@@ -2,6 +2,8 @@
 # Online serving on one host: start `tandem serve`, sweep a few concurrencies, and measure what Ray
 # Serve adds to TTFT (HTTP minus in-process LLMReplica.generate). Writes benchmarks/results/online-<tag>.json.
 #   usage: benchmarks/serve_overhead.sh [cpu|cuda] [TAG] [proxy|haproxy]
+# With cuda, the in-process replica needs a GPU of its own beside the server's: on a one-GPU host use
+# `benchmarks/online_local_overhead.py --device cuda`, which measures the two sides one after the other.
 set -uo pipefail
 DEVICE=${1:-cuda}; TAG=${2:-tiny-$DEVICE}; INGRESS=${3:-proxy}
 MODEL=$(python3 -c "from tandem.engine.tiny import default_model_dir; print(default_model_dir())")

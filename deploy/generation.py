@@ -83,17 +83,25 @@ class GenerationService:
         except Rejected as rejected:
             yield rejected.event
             return
-        yield JobAccepted(prompt_tokens=[len(p) for p in prompts])
-        self._metrics.prompt_tokens(sum(len(p) for p in prompts))
-        stream = self._one(choices[0], job) if len(choices) == 1 else self._merged(choices, job)
-        first_token_seen = False
-        async with aclosing(stream) as deltas:
-            async for delta in deltas:
-                if delta.token_ids and not first_token_seen:
-                    first_token_seen = True
-                    self._metrics.first_token(time.time() - job.arrival_time)
-                yield delta
-        self._metrics.request_done(time.time() - job.arrival_time)
+        # Every choice goes to the ranks now, before the caller answers with headers: the prefill
+        # overlaps the HTTP response start rather than waiting for the body to be iterated.
+        started = [_Started(choice, self._replica) for choice in choices]
+        try:
+            await asyncio.sleep(0)  # one loop turn: the first pulls run up to their send to the ranks
+            yield JobAccepted(prompt_tokens=[len(p) for p in prompts])
+            self._metrics.prompt_tokens(sum(len(p) for p in prompts))
+            stream = self._one(started[0], job) if len(started) == 1 else self._merged(started, job)
+            first_token_seen = False
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    if delta.token_ids and not first_token_seen:
+                        first_token_seen = True
+                        self._metrics.first_token(time.time() - job.arrival_time)
+                    yield delta
+            self._metrics.request_done(time.time() - job.arrival_time)
+        finally:
+            for one in started:  # a job closed early (or never iterated) aborts its choices on the ranks
+                await one.close()
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -169,17 +177,17 @@ class GenerationService:
 
     # -- output ------------------------------------------------------------------------------------
 
-    async def _one(self, choice: _Choice, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
+    async def _one(self, started: _Started, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
         last = time.time()
-        stream = self._replica.generate(choice.prompt_ids, choice.sampling, request_id=choice.request_id)
-        async with aclosing(stream) as chunks:  # closing it aborts the request on the ranks
-            try:
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except (RuntimeError, ValueError) as exc:  # refused (draining, a rank down): a 503
-                yield ChoiceDelta(choice.index, finish_reason="error", error=str(exc))
-                return
+        choice = started.choice
+        try:
+            first = await started.first
+        except (RuntimeError, ValueError) as exc:  # refused (draining, a rank down): a 503
+            yield ChoiceDelta(choice.index, finish_reason="error", error=str(exc))
+            return
+        if first is None:
+            return
+        async with aclosing(started.stream) as chunks:  # closing it aborts the request on the ranks
             async for chunk in _prepend(first, chunks):
                 now = time.time()
                 if chunk.token_ids:
@@ -189,10 +197,10 @@ class GenerationService:
                     last = now
                 yield self._delta(choice.index, chunk, job.token_strings)
 
-    async def _merged(self, choices: list[_Choice], job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
+    async def _merged(self, choices: list[_Started], job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
         queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
 
-        async def pump(choice: _Choice) -> None:
+        async def pump(choice: _Started) -> None:
             try:
                 async with aclosing(self._one(choice, job)) as deltas:
                     async for delta in deltas:
@@ -228,6 +236,32 @@ class GenerationService:
             finish_reason=chunk.finish_reason,
             error=chunk.error,
         )
+
+
+class _Started:
+    """One choice's `LLMReplica.generate` stream, started at once: a task pulls its first chunk, which
+    sends the request to the ranks without waiting for a consumer."""
+
+    def __init__(self, choice: _Choice, replica: ReplicaLike) -> None:
+        self.choice = choice
+        self.stream = replica.generate(choice.prompt_ids, choice.sampling, request_id=choice.request_id)
+        self.first: asyncio.Task[GenerationChunk | None] = asyncio.ensure_future(self._pull_first())
+
+    async def _pull_first(self) -> GenerationChunk | None:
+        try:
+            return await anext(self.stream)
+        except StopAsyncIteration:  # a Task cannot carry it: None means the stream was empty
+            return None
+
+    async def close(self) -> None:
+        """Stop the first pull if it still runs, then close the stream (which aborts the request on
+        the ranks if it has not finished); safe to call more than once."""
+        if not self.first.done():
+            self.first.cancel()
+            await asyncio.wait([self.first])  # a cancel of our own caller still propagates
+        if not self.first.cancelled():
+            self.first.exception()  # consumed by `_one` or not at all: either way, not an error here
+        await self.stream.aclose()
 
 
 async def _prepend(

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, model_not_found, unavailable
 from tandem.deploy.job_builder import chat_job, completion_job
@@ -105,7 +105,11 @@ class OpenAIService:
             raise internal_error(f"unexpected first event {type(first).__name__}")
         prompt_tokens = sum(first.prompt_tokens)
         if request.stream:
-            return self._stream(events, fmt, job.num_choices, prompt_tokens, request.include_usage)
+            stream = self._stream(events, fmt, job.num_choices, prompt_tokens, request.include_usage)
+            # The job's choices are already on the ranks. Started, the stream holds the job open, so
+            # closing it aborts them even if nothing was read (a client gone before the headers).
+            await anext(stream)
+            return cast(AsyncGenerator[dict[str, Any], None], stream)
         return await self._collect(events, fmt, job.num_choices, prompt_tokens)
 
     async def _collect(
@@ -129,10 +133,12 @@ class OpenAIService:
         num_choices: int,
         prompt_tokens: int,
         include_usage: bool,
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[dict[str, Any] | None, None]:
+        """The job's chunks, after one None that `_run` takes to start the generator."""
         completion_tokens = 0
         unfinished = num_choices
         async with aclosing(events):
+            yield None
             try:
                 for chunk in fmt.start_chunks(num_choices):
                     yield _with_usage_slot(chunk, include_usage)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import httpx
@@ -91,8 +92,9 @@ class InProcessBackend:
     async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
         if self.fail_with is not None:
             raise self.fail_with
-        async for event in self.generation.run(job):
-            yield event
+        async with aclosing(self.generation.run(job)) as events:  # as ReplicaBackend closes the job
+            async for event in events:
+                yield event
 
     async def replica_stats(self) -> list[dict[str, Any]]:
         return [{"kv_pages_used": 1, "num_running": 2, "kv_pages_used_per_group": [1]}] * 2
@@ -223,6 +225,23 @@ def test_closing_a_stream_aborts_every_choice(n: int) -> None:
     run(go())
     assert replica.active == set()
     assert len(replica.aborted) == n
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_choices_reach_the_replica_before_the_stream_is_read(n: int) -> None:
+    """The request goes to the ranks when the service answers, not when the HTTP body is first read
+    (after the headers), so prefill overlaps the response start; a stream closed unread still aborts."""
+    service, replica = make()
+
+    async def go() -> None:
+        stream = await service.completions(CompletionRequest(prompt="x", max_tokens=50, n=n, stream=True))
+        assert len(replica.prompts) == n and len(replica.active) == n  # nothing read from the stream yet
+        await stream.aclose()
+        await asyncio.sleep(0)
+        # Aborted by the close itself, not later by the loop's generator finalizers.
+        assert replica.active == set() and len(replica.aborted) == n
+
+    run(go())
 
 
 def test_stats_and_health_aggregate_replicas() -> None:
