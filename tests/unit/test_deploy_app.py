@@ -48,7 +48,10 @@ def test_llm_server_options_carry_the_user_settings() -> None:
     fixed = llm_server_options(AppArgs(max_ongoing_requests=7, max_queued_requests=9), "cpu")
     assert fixed["num_replicas"] == 1
     assert fixed["placement_group_strategy"] == "STRICT_PACK"
-    assert fixed["ray_actor_options"] == {"num_cpus": REPLICA_CPUS}
+    assert fixed["ray_actor_options"] == {
+        "num_cpus": REPLICA_CPUS,
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    }
     scaled = AppArgs(
         autoscaling_config=AutoscalingArgs(min_replicas=0, max_replicas=3), placement_strategy="PACK"
     )
