@@ -1,9 +1,10 @@
-"""flashinfer's fused RMS-norm and rope kernels, used on CUDA in place of the torch reference ops.
+"""flashinfer's fused RMS-norm, rope and activation kernels, used on CUDA in place of the torch ops.
 
 Why: a float32 RMS norm written in torch is ~8 elementwise launches and a rotate-half rope ~20; a
-Qwen3 layer has five norms and one rope, and its MLP's activation and product are two more. Inside a decode CUDA graph each tiny launch still costs a
-few microseconds of GPU time, so at small and medium batch those launches, not the GEMMs or the KV
-reads, set the step time. One kernel per norm (residual add included) and one per rope fixes that.
+Qwen3 layer has five norms and one rope, and its MLP's activation and product are two more. Inside a
+decode CUDA graph each tiny launch still costs a few microseconds of GPU time, so at small and medium
+batch those launches, not the GEMMs or the KV reads, set the step time. One kernel per norm (residual
+add included), one per rope and one for the activation fix that.
 
 The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused ones compute in
 float32 inside the kernel and round once, so they differ from the torch path by bf16 rounding only.

@@ -1,4 +1,4 @@
-"""The fused flashinfer norm, rope and activation kernels against the torch reference ops they replace on CUDA."""
+"""The fused flashinfer norm, rope and activation kernels against the torch ops they replace on CUDA."""
 
 from __future__ import annotations
 
