@@ -25,6 +25,8 @@ import torch
 import uvicorn
 
 from tandem.benchmarks.common import RESULTS, write_result
+from tandem.benchmarks.loadgen import send_request
+from tandem.benchmarks.serve_overhead import inprocess_ttft
 from tandem.deploy.admission import Admission
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
@@ -68,15 +70,6 @@ class TimedService(OpenAIService):
         return await super().completions(request)
 
 
-async def first_text(stream: AsyncGenerator[GenerationChunk, None]) -> float:
-    start, first = time.perf_counter(), None
-    async for chunk in stream:
-        if chunk.text and first is None:
-            first = time.perf_counter() - start
-    assert first is not None, "the stream carried no text"
-    return first
-
-
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
@@ -101,6 +94,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     http: list[float] = []
     local: list[float] = []
     stages: dict[str, list[float]] = {name: [] for name in STAGES}
+    url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         async with aiohttp.ClientSession(trust_env=False) as client:
             for i in range(args.requests + 3):  # the first three pairs warm up
@@ -113,21 +107,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "ignore_eos": True,
                 }
                 marks.clear()
-                start, first = time.perf_counter(), None
-                async with client.post(
-                    f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True}
-                ) as reply:
-                    async for line in reply.content:
-                        if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
-                            first = time.perf_counter()
-                assert first is not None, "the HTTP stream carried no text"
-                ours = await first_text(
-                    replica.generate([(i * 11 + k) % 400 + 5 for k in range(32)], sampling)
-                )
+                reply = await send_request(client, url, {**body, "stream": True}, len(prompt), 60.0)
+                if not reply.ok:
+                    raise RuntimeError(f"HTTP request failed: {reply.error}")
+                other = [(i * 11 + k) % 400 + 5 for k in range(32)]
+                ours, _, error = await inprocess_ttft(replica, other, sampling)
+                if ours is None:
+                    raise RuntimeError(f"in-process request failed: {error}")
                 if i < 3:
                     continue
-                http.append(first - start)
+                http.append(reply.ttft)
                 local.append(ours)
+                start, first = reply.send_time, reply.send_time + reply.ttft
                 points = [start, marks["service"], marks["generate"], marks["first_text"], first]
                 for name, a, b in zip(STAGES, points, points[1:], strict=False):
                     stages[name].append(b - a)

@@ -82,7 +82,7 @@ async def _http_once(
 
 async def _inprocess_once(replica: Any, sampling: Any, spec: Any, side: Side, count: bool) -> None:
     assert isinstance(spec.prompt, list)  # synthetic_requests' default kind: token ids
-    ttft, first_token, error = await _inprocess_ttft(replica, spec.prompt, sampling)
+    ttft, first_token, error = await inprocess_ttft(replica, spec.prompt, sampling)
     if not count:
         return
     if first_token is not None:
@@ -151,7 +151,7 @@ def overhead_summary(http: Side, local: Side, args: argparse.Namespace, *, order
     return summary
 
 
-async def _inprocess_ttft(
+async def inprocess_ttft(
     replica: Any, prompt: list[int], sampling: Any
 ) -> tuple[float | None, float | None, str | None]:
     """Seconds to the first chunk carrying text and to the first token id, or the error. The stream is
