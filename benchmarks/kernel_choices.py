@@ -1,0 +1,354 @@
+"""Kernel choices for the decode step, each measured on its own inside a CUDA graph (GPU only).
+
+The decode profile (decode_profile.py) says where a step's time goes; this says which alternative
+to pick for each part, on the shapes of the two speed targets (Llama-3.1-8B decode at batch 1-64,
+Qwen3-0.6B offline at batch up to 256):
+
+- attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
+  kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
+- KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
+- weight GEMMs: cuBLAS against cuBLASLt (torch's preferred BLAS library), against copy bandwidth;
+- programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
+- sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`.
+
+Every figure is µs per call from CUDA-graph replays over enough distinct buffers that L2 serves none
+of them (sampling: kernel time from the profiler).
+
+    python benchmarks/kernel_choices.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tandem.benchmarks.common import RESULTS, measure_ceilings, print_table, release_memory, write_result
+from tandem.benchmarks.engine_steps import sampling
+from tandem.engine.sampler import Sampler
+
+PAGE = 16
+HEAD_DIM = 128
+BF16 = torch.bfloat16
+LLAMA = {"name": "llama-8b", "heads": 32, "kv_heads": 8, "hidden": 4096, "inter": 14336, "vocab": 128256}
+QWEN = {"name": "qwen3-0.6b", "heads": 16, "kv_heads": 8, "hidden": 1024, "inter": 3072, "vocab": 151936}
+
+
+def graph_us(call: Callable[[int], object], calls: int, replays: int = 15) -> float:
+    """µs per call of call(i), i < calls, captured back to back into one graph; median of replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+class PagedCase:
+    """bs rows of ctx tokens each over disjoint random pages, one K/V cache per layer."""
+
+    def __init__(self, kv_heads: int, bs: int, ctx: int, layers: int) -> None:
+        per_row = -(-ctx // PAGE)
+        self.bs, self.ctx, self.kv_heads, self.layers = bs, ctx, kv_heads, layers
+        self.num_pages = bs * per_row
+        shape = (self.num_pages + 1, PAGE, kv_heads, HEAD_DIM)
+        self.caches = [
+            (torch.randn(shape, dtype=BF16, device="cuda"), torch.randn(shape, dtype=BF16, device="cuda"))
+            for _ in range(layers)
+        ]
+        self.indptr_cpu = (torch.arange(bs + 1, dtype=torch.int32) * per_row).pin_memory()
+        self.indices = torch.randperm(self.num_pages, dtype=torch.int32, device="cuda")
+        self.last_cpu = torch.full((bs,), ctx - (per_row - 1) * PAGE, dtype=torch.int32).pin_memory()
+        self.indptr = self.indptr_cpu.cuda()
+        self.last = self.last_cpu.cuda()
+
+    def kv_bytes(self) -> int:
+        return self.bs * self.ctx * self.kv_heads * HEAD_DIM * 2 * 2
+
+
+ATTENTION_VARIANTS: list[tuple[str, bool, dict[str, Any]]] = [
+    ("tc", True, {}),
+    ("tc-nosplit", True, {"disable_split_kv": True}),
+    ("tc-split8", True, {"fixed_split_size": 8}),
+    ("tc-split32", True, {"fixed_split_size": 32}),
+    ("cc", False, {}),
+    ("cc-nosplit", False, {"disable_split_kv": True}),
+]
+
+
+def attention_rows(
+    shape: dict[str, Any], bs: int, ctx: int, layers: int, bandwidth: float
+) -> list[dict[str, Any]]:
+    import flashinfer
+
+    case = PagedCase(shape["kv_heads"], bs, ctx, layers)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    q = torch.randn(bs, shape["heads"], HEAD_DIM, dtype=BF16, device="cuda")
+    out = torch.empty_like(q)
+    row: dict[str, Any] = {"part": "attention", "model": shape["name"], "bs": bs, "ctx": ctx}
+    reference = None
+    for name, tensor_cores, options in ATTENTION_VARIANTS:
+        try:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
+                backend="fa2",
+                paged_kv_indptr_buffer=case.indptr.clone(),
+                paged_kv_indices_buffer=case.indices.clone(),
+                paged_kv_last_page_len_buffer=case.last.clone(),
+            )
+            wrapper.plan(
+                case.indptr_cpu,
+                case.indices,
+                case.last_cpu,
+                shape["heads"],
+                shape["kv_heads"],
+                HEAD_DIM,
+                PAGE,
+                q_data_type=BF16,
+                kv_data_type=BF16,
+                **options,
+            )
+            wrapper.run(q, case.caches[0], out=out)
+            if reference is None:
+                reference = out.clone()
+            row[f"{name}_err"] = round(float((out.float() - reference.float()).abs().max()), 4)
+            run = functools.partial(_run_attention, wrapper, q, case.caches, out)
+            row[name] = round(graph_us(run, layers), 2)
+        except Exception as exc:  # one variant's failure must not hide the others
+            row[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+    timed = {n: row[n] for n, _, _ in ATTENTION_VARIANTS if isinstance(row.get(n), float)}
+    if timed:
+        best = min(timed, key=timed.__getitem__)
+        row["best"] = best
+        row["best_pct_bw"] = round(100 * case.kv_bytes() / bandwidth / (timed[best] * 1e-6), 1)
+    return [row]
+
+
+def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str, Any]]:
+    import flashinfer
+
+    case = PagedCase(shape["kv_heads"], bs, 512, layers)
+    k = torch.randn(bs, shape["kv_heads"], HEAD_DIM, dtype=BF16, device="cuda")
+    v = torch.randn_like(k)
+    pos = case.ctx - 1
+    first_pages = case.indices[case.indptr[:-1].long() + pos // PAGE].long()
+    loc = first_pages * PAGE + pos % PAGE
+    batch_idx = torch.arange(bs, dtype=torch.int32, device="cuda")
+    positions = torch.full((bs,), pos, dtype=torch.int32, device="cuda")
+    flat = [(kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])) for kc, vc in case.caches]
+
+    def index_put(i: int) -> None:
+        flat[i][0][loc] = k
+        flat[i][1][loc] = v
+
+    def append(i: int) -> None:
+        flashinfer.append_paged_kv_cache(
+            k, v, batch_idx, positions, case.caches[i], case.indices, case.indptr, case.last
+        )
+
+    row: dict[str, Any] = {"part": "kv_store", "model": shape["name"], "bs": bs}
+    row["index_put_x2"] = round(graph_us(index_put, layers), 2)
+    try:
+        append(0)
+        same = torch.equal(case.caches[0][1].view(-1, *k.shape[1:])[loc], v)
+        row["fi_append"] = round(graph_us(append, layers), 2)
+        row["fi_append_matches"] = same
+    except Exception as exc:
+        row["fi_append"] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+    return [row]
+
+
+def gemm_rows(shape: dict[str, Any], batches: list[int], bandwidth: float) -> list[dict[str, Any]]:
+    h, i, heads, kvh = shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"]
+    layers = {
+        "qkv": ((heads + 2 * kvh) * HEAD_DIM, h),
+        "o": (h, heads * HEAD_DIM),
+        "gate_up": (2 * i, h),
+        "down": (h, i),
+        "lm_head": (shape["vocab"], h),
+    }
+    rows = []
+    for name, (n, kdim) in layers.items():
+        size = n * kdim * 2
+        copies = max(2, -(-160_000_000 // size))
+        weights = [torch.randn(n, kdim, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
+        for bs in batches:
+            x = torch.randn(bs, kdim, dtype=BF16, device="cuda")
+            row: dict[str, Any] = {"part": "gemm", "model": shape["name"], "layer": name, "bs": bs}
+            for lib in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(lib)
+                us = graph_us(functools.partial(_linear, x, weights), 2 * copies)
+                row[lib] = round(us, 2)
+                row[f"{lib}_pct_bw"] = round(100 * size / bandwidth / (us * 1e-6), 1)
+            torch.backends.cuda.preferred_blas_library("cublas")
+            rows.append(row)
+    return rows
+
+
+def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -> list[dict[str, Any]]:
+    """A decode layer without attention (norm, qkv, o, norm, gate_up, act, down), PDL on or off on the
+    flashinfer kernels, `layers` distinct weight sets cycled `repeat` times."""
+    import flashinfer
+
+    h, i, heads, kvh = shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"]
+
+    def w(n: int, kdim: int) -> torch.Tensor:
+        return torch.randn(n, kdim, dtype=BF16, device="cuda") * 0.02
+
+    weights = [
+        (w((heads + 2 * kvh) * HEAD_DIM, h), w(h, heads * HEAD_DIM), w(2 * i, h), w(h, i))
+        for _ in range(layers)
+    ]
+    norm_w = torch.ones(h, dtype=BF16, device="cuda")
+    x = torch.randn(bs, h, dtype=BF16, device="cuda")
+    residual = torch.randn_like(x)
+    row: dict[str, Any] = {"part": "layer_chain_pdl", "model": shape["name"], "bs": bs}
+    for pdl in (False, True):
+
+        def layer(j: int, pdl: bool = pdl) -> None:
+            qkv_w, o_w, gu_w, d_w = weights[j % layers]
+            flashinfer.norm.fused_add_rmsnorm(x, residual, norm_w, 1e-6, enable_pdl=pdl)
+            qkv = F.linear(x, qkv_w)
+            attn = F.linear(qkv[:, : heads * HEAD_DIM], o_w)
+            flashinfer.norm.fused_add_rmsnorm(attn, residual, norm_w, 1e-6, enable_pdl=pdl)
+            act = flashinfer.activation.silu_and_mul(F.linear(attn, gu_w), enable_pdl=pdl)
+            x.copy_(F.linear(act, d_w))
+
+        row["pdl_on" if pdl else "pdl_off"] = round(graph_us(layer, layers * repeat), 2)
+    return [row]
+
+
+def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
+    import flashinfer
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_us(fn: Callable[[], object], iters: int = 20) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        total = sum(e.self_device_time_total for e in prof.key_averages() if not e.key.startswith("Memcpy"))
+        return round(float(total) / iters, 2)
+
+    rows = []
+    sampler = Sampler(vocab, device=torch.device("cuda"))
+    for bs in batches:
+        logits = torch.randn(bs, vocab, dtype=torch.float32, device="cuda") * 3
+        batch = sampling(bs, torch.device("cuda"))
+        temperature = batch.temperature
+        scaled = functools.partial(torch.div, logits, temperature[:, None])
+        fused = functools.partial(_compose, flashinfer.sampling.sampling_from_logits, scaled)
+        rows.append(
+            {
+                "part": "sampling",
+                "vocab": vocab,
+                "bs": bs,
+                "torch_path": kernel_us(functools.partial(sampler, logits, batch)),
+                "fi_from_logits": kernel_us(fused),
+            }
+        )
+    return rows
+
+
+def _run_attention(wrapper: Any, q: torch.Tensor, caches: list[Any], out: torch.Tensor, i: int) -> None:
+    wrapper.run(q, caches[i], out=out)
+
+
+def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
+    return F.linear(x, weights[j % len(weights)])
+
+
+def _compose(outer: Callable[[Any], Any], inner: Callable[[], Any]) -> Any:
+    return outer(inner())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
+    rows: list[dict[str, Any]] = []
+
+    def section(name: str, make: Callable[..., list[dict[str, Any]]], *make_args: Any) -> None:
+        if name not in parts:
+            return
+        try:
+            new = make(*make_args)
+        except Exception as exc:  # keep the other sections' figures
+            new = [{"part": name, "failed": f"{type(exc).__name__}: {str(exc)[:200]}"}]
+        rows.extend(new)
+        for row in new:
+            print(row, flush=True)
+        release_memory()
+
+    attention_cases = [
+        (LLAMA, 1, 512, 32),
+        (LLAMA, 8, 512, 32),
+        (LLAMA, 64, 512, 8),
+        (QWEN, 64, 1024, 8),
+        (QWEN, 256, 1024, 4),
+    ]
+    if args.quick:
+        attention_cases = attention_cases[::2]
+    for shape, bs, ctx, layers in attention_cases:
+        section("attention", attention_rows, shape, bs, ctx, layers, bandwidth)
+    for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
+        section("kv_store", kv_store_rows, shape, bs, 32)
+    section("gemm", gemm_rows, LLAMA, [1, 8, 64], bandwidth)
+    section("gemm", gemm_rows, QWEN, [64, 256], bandwidth)
+    for bs in (1, 64):
+        section("pdl", pdl_rows, LLAMA, bs)
+    section("sampling", sampling_rows, 128256, [1, 64])
+    section("sampling", sampling_rows, 151936, [256])
+    path = write_result(
+        "kernel-choices",
+        {
+            "config": {"page_size": PAGE, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+            "ceilings": ceilings,
+            "results": rows,
+        },
+        device=device,
+        out_dir=args.out_dir,
+    )
+    print(f"\n{path}")
+    for part in ("attention", "kv_store", "gemm", "layer_chain_pdl", "sampling"):
+        group = [r for r in rows if r.get("part") == part]
+        if group:
+            print_table(group, [k for k in group[0] if k != "part" and not k.endswith("_err")])
+
+
+if __name__ == "__main__":
+    main()
