@@ -59,6 +59,7 @@ def sampling(batch: int, device: torch.device) -> SamplingBatch:
         any_top_k_top_p=False,
         any_min_p=False,
         any_explicit_seed=False,
+        any_greedy=False,
     )
 
 

@@ -35,6 +35,9 @@ class SamplingBatch:
     history: torch.Tensor | None = None  # int64 [B, L]
     prompt_lens: torch.Tensor | None = None  # int64 [B]; history[:, :prompt_lens] is the prompt
     all_greedy: bool = False
+    # Whether any row is greedy (temperature 0): if none is, sampling skips the argmax it would
+    # otherwise merge in for them.
+    any_greedy: bool = True
     # Host-side hints, so the GPU can skip the sort-based filters without reading device tensors.
     any_top_k_top_p: bool = True
     any_min_p: bool = True

@@ -69,7 +69,9 @@ class Engine:
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
             self.groups, config.page_size, config.device, layers=self.model.layer_specs(), dtype=config.dtype
         )
-        self.sampler = Sampler(mc.vocab_size, device=config.device)
+        self.sampler = Sampler(
+            mc.vocab_size, device=config.device, fused_draw=kernels.sample if kernels is not None else None
+        )
         # Decode graphs bake in the pool's and the backend's buffer addresses, so they come last.
         self.decode_graphs: DecodeGraphRunner | None = None
         if config.cuda_graph:

@@ -11,6 +11,7 @@ logits can be used as they are (-inf outside the support).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from tandem.engine.batch import SamplingBatch
 
 _MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,16 @@ def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     return log_exponential_noise(seeds, steps, scores.shape[-1]).neg_().add_(scores).argmax(dim=-1)
 
 
+# (scaled logits [B, V], generator) -> int64 [B]: one draw per row from softmax(scaled).
+FusedDraw = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
 class Sampler:
     """Stateless apart from the vocabulary size: wider logits (a padded lm_head) are cut to it.
+
+    `fused_draw` (flashinfer's sampling kernel, on CUDA with fused kernels on) replaces the
+    exponential race for batches where no row brought a seed: one pass over [B, V] instead of five.
+    Seeded rows always take the counter-based race, which is what makes them reproducible.
 
     `fuse=True` (for CUDA) compiles the race with torch.compile: the eager hash makes ~25 passes over
     [B, V] int64, ~3.3 ms at B=256, V=152k on an H200; fused it is ~0.2 ms and bit-identical. Compiling
@@ -157,9 +166,16 @@ class Sampler:
     """
 
     def __init__(
-        self, vocab_size: int, *, fuse: bool = False, seed: int = 0, device: torch.device | None = None
+        self,
+        vocab_size: int,
+        *,
+        fuse: bool = False,
+        seed: int = 0,
+        device: torch.device | None = None,
+        fused_draw: FusedDraw | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self._fused_draw = fused_draw
         self._race = torch.compile(exponential_race, dynamic=True) if fuse else exponential_race
         # For batches where no row brought a seed: one exponential_ kernel instead of the hash.
         self._generator = torch.Generator(device=device or "cpu")
@@ -179,13 +195,17 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature.to(logits.dtype)
-        greedy = temperature < _GREEDY_EPS
+        greedy = temperature < GREEDY_EPS
         scaled = filter_logits_(logits / torch.where(greedy, 1.0, temperature)[:, None], batch)
         if batch.any_explicit_seed:
             sampled = self._race(scaled, batch.seeds, batch.steps)
+        elif self._fused_draw is not None:
+            sampled = self._fused_draw(scaled, self._generator)
         else:
             noise = torch.empty_like(scaled).exponential_(generator=self._generator)
             sampled = (scaled - noise.log_()).argmax(dim=-1)
+        if not batch.any_greedy:
+            return sampled
         # Penalties apply to greedy rows too; filters never remove the top token, so plain argmax is right.
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 

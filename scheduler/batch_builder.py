@@ -15,6 +15,7 @@ import numpy.typing as npt
 import torch
 
 from tandem.engine.batch import AttentionGroupBatch, SamplingBatch
+from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
 from tandem.scheduler.table import RequestTable
@@ -141,6 +142,7 @@ class BatchBuilder:
             repetition_penalty=self._upload([s.repetition_penalty for s in specs], np.float32),
             prompt_lens=self._upload([r.req.prompt_len for r in rows], np.int64),
             all_greedy=all(s.temperature == 0.0 for s in specs),
+            any_greedy=any(s.temperature < GREEDY_EPS for s in specs),
             any_top_k_top_p=any(s.top_k > 0 or s.top_p < 1.0 for s in specs),
             any_min_p=any(s.min_p > 0.0 for s in specs),
             any_explicit_seed=any(s.seed is not None for s in specs),

@@ -20,6 +20,7 @@ from tandem.engine.attention.base import LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
+    append_coordinates,
     empty_layout,
     kv_page_indices,
     pad_layout,
@@ -29,12 +30,28 @@ from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 
 
+@dataclass(frozen=True)
+class _Append:
+    """Where one batch's new K/V go in one KV group, as flashinfer's append kernel takes it (device
+    int32). Positions count from the row's first listed page, so evicted pages are never addressed."""
+
+    rows: torch.Tensor  # [T]: the row of each new token
+    positions: torch.Tensor  # [T]: its position in the row's listed KV
+    indices: torch.Tensor  # the rows' listed pages, concatenated
+    indptr: torch.Tensor  # [B + 1]
+    last_page_len: torch.Tensor  # [B]
+
+
 @dataclass
 class _GraphBuffers:
     """Fixed-address metadata of one KV group for every decode graph (shared across batch sizes:
     all graphs replay on one stream, each right after its own plan, so they never overlap)."""
 
-    out_loc: torch.Tensor  # int64 [max_bs]
+    indptr: torch.Tensor  # int32 [max_bs + 1]; these three are the graph wrappers' own buffers
+    indices: torch.Tensor  # int32 [capacity]
+    last_page_len: torch.Tensor  # int32 [max_bs]
+    rows: torch.Tensor  # int32 [max_bs]: 0, 1, 2, ...: decode rows append one token each
+    positions: torch.Tensor  # int32 [max_bs]: rewritten by each plan
     dummy_pages: torch.Tensor  # int32 [max_bs], all the pool's dummy page
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
@@ -42,6 +59,10 @@ class _GraphBuffers:
 class FlashInferBackend:
     """Per KV group: one prefill wrapper (causal, paged, cached prefix), one decode wrapper, and one
     graph-mode decode wrapper per captured batch size.
+
+    New K/V go in with flashinfer's `append_paged_kv_cache`, one kernel for K and V per layer (two
+    torch index_puts cost three times as long at small batch), addressed through the same page lists
+    as attention.
 
     Invariants: pages below a row's kv_start are never listed (evicted pages are stale); padding rows
     of a decode graph list only the pool's dummy page and store K/V only there; a plan never
@@ -93,7 +114,7 @@ class FlashInferBackend:
         }
         self._graph: dict[int, _GraphBuffers] = {}
         self._active: dict[int, Any] = {}
-        self._out_loc: dict[int, torch.Tensor] = {}
+        self._append: dict[int, _Append] = {}
         self._planned = torch.cuda.Event()
         self._has_planned = False
 
@@ -127,8 +148,19 @@ class FlashInferBackend:
                 wrapper = self.prefill[gid]
                 self._plan_prefill(wrapper, gid, qo_indptr, layout.pin(), indices)
             self._active[gid] = wrapper
-            self._out_loc[gid] = paging.out_cache_loc
+            self._append[gid] = self._upload_append(layout, batch.extend_lens_cpu, indices)
         self._record_plan()
+
+    def _upload_append(
+        self, layout: PagedLayout, extend_lens: torch.Tensor, indices: torch.Tensor
+    ) -> _Append:
+        """The append kernel's metadata, in one host-to-device copy."""
+        rows, positions = append_coordinates(layout.kv_lens, extend_lens)
+        host = torch.cat([layout.indptr, layout.last_page_len, rows, positions])
+        device = host.pin_memory().to(self.device, non_blocking=True)
+        b, t = layout.batch_size, rows.shape[0]
+        indptr, last, rows_d, positions_d = device.split([b + 1, b, t, t])
+        return _Append(rows_d, positions_d, indices, indptr, last)
 
     def _plan_prefill(
         self, wrapper: Any, gid: int, qo_indptr: torch.Tensor, layout: PagedLayout, indices: torch.Tensor
@@ -180,6 +212,7 @@ class FlashInferBackend:
             indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
             last = torch.ones(max_bs, dtype=torch.int32, device=self.device)
             indices = torch.full((capacity,), dummy, dtype=torch.int32, device=self.device)
+            rows = torch.arange(max_bs, dtype=torch.int32, device=self.device)
             wrappers = {
                 bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace,
@@ -194,7 +227,11 @@ class FlashInferBackend:
                 for bs in batch_sizes
             }
             self._graph[group.group_id] = _GraphBuffers(
-                out_loc=torch.full((max_bs,), dummy * self.page_size, dtype=torch.int64, device=self.device),
+                indptr=indptr,
+                indices=indices,
+                last_page_len=last,
+                rows=rows,
+                positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
                 dummy_pages=torch.full((max_bs,), dummy, dtype=torch.int32, device=self.device),
                 wrappers=wrappers,
             )
@@ -215,15 +252,23 @@ class FlashInferBackend:
                 indices = kv_page_indices(
                     paging.page_table, paging.kv_start, batch.seq_lens, self.page_size, layout.num_pages
                 )
-                bufs.out_loc[:real_bs].copy_(paging.out_cache_loc)
             if pad:
-                # A larger batch may have left live slots here: padding must write only the dummy page.
-                bufs.out_loc[real_bs:graph_bs].fill_(group.num_pages * self.page_size)
+                # Padding rows list the dummy page alone (one token), so they store K/V only there.
                 indices = torch.cat([indices, bufs.dummy_pages[:pad]])
+            padded = pad_layout(layout, graph_bs)
             wrapper = bufs.wrappers[graph_bs]
-            self._plan_decode(wrapper, gid, pad_layout(layout, graph_bs).pin(), indices)
+            self._plan_decode(wrapper, gid, padded.pin(), indices)  # fills indptr, indices, last
+            # Each row's new token is the last of its listed KV.
+            positions = (padded.kv_lens - 1).pin_memory()
+            bufs.positions[:graph_bs].copy_(positions, non_blocking=True)
             self._active[gid] = wrapper
-            self._out_loc[gid] = bufs.out_loc[:graph_bs]
+            self._append[gid] = _Append(
+                bufs.rows[:graph_bs],
+                bufs.positions[:graph_bs],
+                bufs.indices,
+                bufs.indptr[: graph_bs + 1],
+                bufs.last_page_len[:graph_bs],
+            )
         self._record_plan()
 
     # ---- running ---------------------------------------------------------------------------------
@@ -237,7 +282,10 @@ class FlashInferBackend:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gid = pool.layer_group[layer.layer_id]
-        pool.store(layer.layer_id, self._out_loc[gid], k, v)
+        a = self._append[gid]
+        flashinfer.append_paged_kv_cache(
+            k, v, a.rows, a.positions, pool.paged_view(layer.layer_id), a.indices, a.indptr, a.last_page_len
+        )
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
         result = self._active[gid].run(q.contiguous(), pool.paged_view(layer.layer_id), out=heads)
         return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -100,3 +101,14 @@ def kv_page_indices(
     row_begin = torch.cumsum(counts, 0) - counts
     col = torch.arange(num_pages, device=device) - row_begin[row_of] + first[row_of]
     return page_table[row_of, col].to(torch.int32)
+
+
+def append_coordinates(kv_lens: torch.Tensor, extend_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and position (within the row's listed KV) of every new token, host int32 [T] each: row b
+    appends its extend_lens[b] tokens at the end of its kv_lens[b] listed tokens."""
+    ext = extend_lens.numpy().astype(np.int64)
+    rows = np.repeat(np.arange(ext.shape[0]), ext)
+    first = kv_lens.numpy().astype(np.int64) - ext  # position of each row's first new token
+    offsets = np.arange(rows.shape[0]) - np.repeat(np.cumsum(ext) - ext, ext)
+    positions = first[rows] + offsets
+    return torch.from_numpy(rows.astype(np.int32)), torch.from_numpy(positions.astype(np.int32))

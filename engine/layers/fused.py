@@ -1,4 +1,4 @@
-"""flashinfer's fused RMS-norm, rope and activation kernels, used on CUDA in place of the torch ops.
+"""flashinfer's fused RMS-norm, rope, activation and sampling kernels, used on CUDA in place of torch ops.
 
 Why: a float32 RMS norm written in torch is ~8 elementwise launches and a rotate-half rope ~20; a
 Qwen3 layer has five norms and one rope, and its MLP's activation and product are two more. Inside a
@@ -29,6 +29,7 @@ class FusedKernels:
         self._norm: Any = flashinfer.norm
         self._rope: Any = flashinfer.rope
         self._activation: Any = flashinfer.activation
+        self._sampling: Any = flashinfer.sampling
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -58,6 +59,12 @@ class FusedKernels:
         """
         act = self._activation.gelu_tanh_and_mul if gelu else self._activation.silu_and_mul
         return act(x, enable_pdl=False)  # type: ignore[no-any-return]
+
+    def sample(self, scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One draw per row from softmax(scaled) (float32 [B, V], -inf for filtered tokens), in one
+        kernel that reads the logits once; its Philox offset advances `generator`."""
+        tokens = self._sampling.sampling_from_logits(scaled, generator=generator)
+        return tokens.to(torch.int64)  # type: ignore[no-any-return]
 
     def cos_sin_table(self, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
         """float32 [max_positions, rotary_dim]: cos in the first half, sin in the second.

@@ -8,6 +8,7 @@ slots are right, it matches the torch backend exactly, and never reads a poisone
 
 from __future__ import annotations
 
+import copy
 import importlib
 import sys
 import types
@@ -119,11 +120,37 @@ class FakeDecode(_Paged):
         return self._attend(q, kv, list(range(q.shape[0] + 1)), out)
 
 
+def fake_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    indices: torch.Tensor,
+    indptr: torch.Tensor,
+    last: torch.Tensor,
+) -> None:
+    """flashinfer.append_paged_kv_cache as documented: token i of row rows[i] at position positions[i]
+    of that row's listed KV goes to page indices[indptr[row] + pos // page_size], offset pos % page_size."""
+    assert rows.dtype == positions.dtype == indices.dtype == indptr.dtype == last.dtype == torch.int32
+    assert rows.shape[0] == positions.shape[0] == k.shape[0] == v.shape[0]
+    assert indptr.shape[0] == last.shape[0] + 1
+    k_cache, v_cache = kv
+    page_size = k_cache.shape[1]
+    for i, (b, pos) in enumerate(zip(rows.tolist(), positions.tolist())):
+        listed = (int(indptr[b + 1]) - int(indptr[b]) - 1) * page_size + int(last[b])
+        assert 0 <= pos < listed, "appends must land inside the row's listed KV"
+        page = int(indices[int(indptr[b]) + pos // page_size])
+        k_cache[page, pos % page_size] = k[i]
+        v_cache[page, pos % page_size] = v[i]
+
+
 @pytest.fixture
 def backend_cls(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake = types.ModuleType("flashinfer")
     fake.BatchPrefillWithPagedKVCacheWrapper = FakePrefill  # type: ignore[attr-defined]
     fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecode  # type: ignore[attr-defined]
+    fake.append_paged_kv_cache = fake_append  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     event = types.SimpleNamespace(record=lambda: None, synchronize=lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", lambda: event)
@@ -187,15 +214,20 @@ def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap:
             )
     t = batch.num_tokens
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    # The torch backend stores through out_cache_loc into its own copy of the pool; flashinfer's
+    # append must write exactly the same slots of this one.
+    ref_pool = copy.deepcopy(pool)
     ref = TorchAttentionBackend(groups, PAGE, torch.device("cpu"))
     ref.plan(batch)
-    expected = [ref.forward(s, q, k, v, pool) for s in specs]
+    expected = [ref.forward(s, q, k, v, ref_pool) for s in specs]
     fi = backend_cls(groups, PAGE, torch.device("cpu"), layers=specs, dtype=torch.float32, workspace_mb=1)
     fi.plan(batch)
     for s, exp in zip(specs, expected):
         got = fi.forward(s, q, k, v, pool)
         assert float(got.abs().max()) < POISON / 10
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
+    for layer in (0, 1):
+        assert torch.equal(pool.k[layer], ref_pool.k[layer]) and torch.equal(pool.v[layer], ref_pool.v[layer])
     if batch.is_decode:  # the same rows padded into a graph-sized batch
         fi.init_decode_graphs([1, 2, 4, 8], max_pages_per_row=NUM_PAGES)
         before = [pool.k[i].clone() for i in (0, 1)]

@@ -7,7 +7,13 @@ import torch
 
 from tandem.engine.attention.base import LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
-from tandem.engine.attention.paged_layout import empty_layout, kv_page_indices, pad_layout, paged_layout
+from tandem.engine.attention.paged_layout import (
+    append_coordinates,
+    empty_layout,
+    kv_page_indices,
+    pad_layout,
+    paged_layout,
+)
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 
 
@@ -50,6 +56,35 @@ def test_page_lists_skip_evicted_pages(page_size: int) -> None:
     )
     assert indices.dtype == torch.int32
     assert indices.tolist() == [p for r in ref for p in r]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_append_coordinates_address_the_new_tokens_slots(page_size: int) -> None:
+    """flashinfer's append kernel puts token (row, pos) at page indices[indptr[row] + pos // ps],
+    offset pos % ps. That must be the slot the scheduler allocated for its absolute position, with
+    window-evicted pages left out of the lists (mixed prefill, extend and decode rows)."""
+    g = torch.Generator().manual_seed(1)
+    seq = [7, 40, 33, 1, 64]
+    extend = [7, 3, 1, 1, 20]
+    kv_start = [0, 16 // page_size * page_size, 24 // page_size * page_size, 0, 32 // page_size * page_size]
+    width = max(-(-n // page_size) for n in seq)
+    table = torch.randperm(len(seq) * width, generator=g).view(len(seq), width).to(torch.int32)
+    seq_t, start_t = torch.tensor(seq, dtype=torch.int32), torch.tensor(kv_start, dtype=torch.int32)
+    layout = paged_layout(seq_t, start_t, page_size)
+    indices = kv_page_indices(table, start_t, seq_t, page_size, layout.num_pages)
+    rows, positions = append_coordinates(layout.kv_lens, torch.tensor(extend, dtype=torch.int32))
+    assert rows.dtype == positions.dtype == torch.int32
+    expected = [
+        int(table[b, p // page_size]) * page_size + p % page_size
+        for b, (n, e) in enumerate(zip(seq, extend))
+        for p in range(n - e, n)
+    ]
+    got = [
+        int(indices[int(layout.indptr[r]) + int(p) // page_size]) * page_size + int(p) % page_size
+        for r, p in zip(rows.tolist(), positions.tolist())
+    ]
+    assert got == expected
+    assert all(int(p) < int(layout.kv_lens[r]) for r, p in zip(rows.tolist(), positions.tolist()))
 
 
 def test_rows_without_live_tokens_are_rejected() -> None:

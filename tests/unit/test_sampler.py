@@ -360,3 +360,35 @@ def test_draw_lies_in_filtered_support_and_ignores_companions(
     companion = make_batch(1, seeds=seed ^ 1, steps=step + 1, temperature=0.5, top_k=3, top_p=0.5, min_p=0.2)
     flipped = torch.cat([torch.flip(row, dims=[1]), row])
     assert int(Sampler(vocab)(flipped, concat([companion, batch])).next_tokens[1]) == token
+
+
+def test_fused_draw_serves_unseeded_batches_only() -> None:
+    """A fused draw (flashinfer's kernel on CUDA) gets the scaled, filtered logits of unseeded batches;
+    seeded batches keep the counter-based race, and greedy rows keep argmax unless none is greedy."""
+    calls: list[torch.Tensor] = []
+
+    def draw(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        calls.append(scaled.clone())
+        return torch.full((scaled.shape[0],), 1, dtype=torch.int64)
+
+    sampler = Sampler(5, fused_draw=draw)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]] * 3)
+    unseeded = make_batch(
+        3,
+        temperature=[0.5, 0.0, 2.0],
+        top_k=2,
+        any_top_k_top_p=True,
+        any_min_p=False,
+        any_explicit_seed=False,
+    )
+    assert sampler(logits, unseeded).next_tokens.tolist() == [1, 4, 1]
+    assert len(calls) == 1
+    expected = torch.tensor(
+        [[-math.inf] * 3 + [6.0, 8.0], [-math.inf] * 3 + [3.0, 4.0], [-math.inf] * 3 + [1.5, 2.0]]
+    )
+    torch.testing.assert_close(calls[0], expected)
+    no_greedy = make_batch(2, temperature=0.5, any_explicit_seed=False, any_greedy=False)
+    assert sampler(logits[:2], no_greedy).next_tokens.tolist() == [1, 1]
+    seeded = make_batch(3, temperature=0.5, seeds=[1, 2, 3], any_explicit_seed=True)
+    sampler(logits, seeded)
+    assert len(calls) == 2, "seeded rows must not use the fused draw"
