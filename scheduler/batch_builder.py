@@ -1,9 +1,9 @@
 """Turns the scheduled rows into plain tensors for the engine.
 
 Host arrays are built with numpy (tiny gathers; torch's intra-op threads would cost milliseconds per
-op here), wrapped as (pinned, on CUDA) tensors and copied to the device with non_blocking=True on the
-scheduler stream. Input ids and penalty history are gathered from the token pool later, on the engine
-stream, so they include tokens the previous batch has only just written there.
+op here), packed into one (pinned, on CUDA) buffer and copied to the device in one non_blocking copy on
+the scheduler stream (staging.py). Input ids and penalty history are gathered from the token pool
+later, on the engine stream, so they include tokens the previous batch has only just written there.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from tandem.engine.batch import AttentionGroupBatch, SamplingBatch
 from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
+from tandem.scheduler.slot_params import SlotParams
+from tandem.scheduler.staging import Staging
 from tandem.scheduler.table import RequestTable
 
 IntArray = npt.NDArray[np.int64]
@@ -55,17 +57,12 @@ class BatchBuilder:
         self.table = table
         self.kv = kv
         self.device = device
-        self.pin = device.type == "cuda"
+        # Written when a request takes its slot (`admit`), gathered per batch.
+        self.params = SlotParams(table.max_running)
 
-    def _host(self, array: npt.NDArray[np.generic]) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor.pin_memory() if self.pin else tensor
-
-    def _device(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device, non_blocking=True) if self.pin else host
-
-    def _upload(self, values: list[int] | list[float] | npt.NDArray[np.generic], dtype: type) -> torch.Tensor:
-        return self._device(self._host(np.asarray(values, dtype=dtype)))
+    def admit(self, req: Request) -> None:
+        """Record a request that has just taken its slot."""
+        self.params.set(req.slot, req.sampling, req.seed, req.prompt_len)
 
     def build(self, batch_id: int, rows: list[Row]) -> PreparedBatch:
         max_len = self.table.max_seq_len
@@ -81,84 +78,133 @@ class BatchBuilder:
             row_of_token = np.repeat(np.arange(len(rows)), lengths)
             offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             positions = starts[row_of_token] + offsets
-        inputs = slots[row_of_token] * max_len + positions
-        outputs = np.where(samples & (ends < max_len), slots * max_len + ends, -1)
-        seq_cpu = self._host(ends.astype(np.int32))
-        ext_cpu = self._host(lengths.astype(np.int32))
-        groups = tuple(
-            self._group(g, rows, slots, ends, row_of_token, positions) for g in range(len(self.kv.groups))
-        )
+        stage = Staging(self.device)
+        inputs = stage.add(slots[row_of_token] * max_len + positions, np.int64)
+        outputs = stage.add(np.where(samples & (ends < max_len), slots * max_len + ends, -1), np.int64)
+        pos = stage.add(positions, np.int64)
+        seq = stage.add(ends, np.int32)
+        ext = stage.add(lengths, np.int32)
+        groups = [
+            self._stage_group(stage, g, rows, slots, ends, row_of_token, positions)
+            for g in range(len(self.kv.groups))
+        ]
+        sampling = self._stage_sampling(stage, rows, slots)
+        history = self._stage_history(stage, rows, slots)
+        sent = stage.send()
+        dev, host = sent.device, sent.host
         return PreparedBatch(
             batch_id=batch_id,
             rows=rows,
-            input_mapping=self._upload(inputs, np.int64),
-            output_mapping=self._upload(outputs, np.int64),
-            positions=self._upload(positions, np.int64),
-            seq_lens=self._device(seq_cpu),
-            extend_lens=self._device(ext_cpu),
-            seq_lens_cpu=seq_cpu,
-            extend_lens_cpu=ext_cpu,
-            groups=groups,
-            sampling=self._sampling(rows),
-            history_index=self._history(rows),
+            input_mapping=dev[inputs],
+            output_mapping=dev[outputs],
+            positions=dev[pos],
+            seq_lens=dev[seq],
+            extend_lens=dev[ext],
+            seq_lens_cpu=host[seq],
+            extend_lens_cpu=host[ext],
+            groups=tuple(
+                AttentionGroupBatch(
+                    page_table=dev[table],
+                    kv_start=dev[start],
+                    out_cache_loc=dev[loc],
+                    kv_start_cpu=host[start],
+                    page_table_cpu=host[table],
+                )
+                for table, start, loc in groups
+            ),
+            sampling=sampling.build(dev),
+            history_index=None if history is None else dev[history],
             is_decode=is_decode,
         )
 
-    def _group(
+    def _stage_group(
         self,
+        stage: Staging,
         g: int,
         rows: list[Row],
         slots: IntArray,
         ends: IntArray,
         row_of_token: IntArray,
         positions: IntArray,
-    ) -> AttentionGroupBatch:
+    ) -> tuple[int, int, int]:
+        """Page table rows, kv_start and write slots of one KV group: (table, kv_start, loc) indices."""
         ps = self.kv.page_size
         width = int((ends.max() + ps - 1) // ps)
         table = self.table.page_tables[g][slots, :width]
         loc = table[row_of_token, positions // ps].astype(np.int64) * ps + positions % ps
-        kv_start = np.fromiter((self.kv.kv_start(r.req, g) for r in rows), dtype=np.int32, count=len(rows))
-        table_cpu, start_cpu = self._host(table), self._host(kv_start)
-        return AttentionGroupBatch(
-            page_table=self._device(table_cpu),
-            kv_start=self._device(start_cpu),
-            out_cache_loc=self._upload(loc, np.int64),
-            kv_start_cpu=start_cpu,
-            page_table_cpu=table_cpu,
+        if self.kv.groups[g].window is None:  # full attention never evicts
+            kv_start = np.zeros(len(rows), dtype=np.int32)
+        else:
+            kv_start = np.fromiter(
+                (self.kv.kv_start(r.req, g) for r in rows), dtype=np.int32, count=len(rows)
+            )
+        return stage.add(table, np.int32), stage.add(kv_start, np.int32), stage.add(loc, np.int64)
+
+    def _stage_sampling(self, stage: Staging, rows: list[Row], slots: IntArray) -> _StagedSampling:
+        p = self.params
+        device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
+        temperature, top_p, top_k = p.temperature[slots], p.top_p[slots], p.top_k[slots]
+        min_p, logprobs = p.min_p[slots], p.logprobs[slots]
+        prompt_lens = p.prompt_len[slots]
+        return _StagedSampling(
+            tensors={
+                "temperature": stage.add(temperature, np.float32),
+                "top_p": stage.add(top_p, np.float32),
+                "top_k": stage.add(top_k, np.int64),
+                "min_p": stage.add(min_p, np.float32),
+                "seeds": stage.add(p.seed[slots], np.int64),
+                "steps": stage.add(device_lens - prompt_lens, np.int64),  # outputs scheduled so far
+                "presence_penalty": stage.add(p.presence_penalty[slots], np.float32),
+                "frequency_penalty": stage.add(p.frequency_penalty[slots], np.float32),
+                "repetition_penalty": stage.add(p.repetition_penalty[slots], np.float32),
+                "prompt_lens": stage.add(prompt_lens, np.int64),
+            },
+            flags={
+                "all_greedy": bool((temperature == 0.0).all()),
+                "any_greedy": bool((temperature < GREEDY_EPS).any()),
+                "any_top_k_top_p": bool(((top_k > 0) | (top_p < 1.0)).any()),
+                "any_min_p": bool((min_p > 0.0).any()),
+                "any_explicit_seed": bool(p.explicit_seed[slots].any()),
+            },
+            num_logprobs=int(logprobs.max()) if len(rows) else -1,
         )
 
-    def _sampling(self, rows: list[Row]) -> SamplingBatch:
-        specs = [r.req.sampling for r in rows]
-        logprobs = [s.logprobs for s in specs if s.logprobs is not None]
-        return SamplingBatch(
-            temperature=self._upload([s.temperature for s in specs], np.float32),
-            top_p=self._upload([s.top_p for s in specs], np.float32),
-            top_k=self._upload([s.top_k for s in specs], np.int64),
-            min_p=self._upload([s.min_p for s in specs], np.float32),
-            seeds=self._upload([r.req.seed for r in rows], np.int64),
-            steps=self._upload([r.req.scheduled_outputs for r in rows], np.int64),
-            presence_penalty=self._upload([s.presence_penalty for s in specs], np.float32),
-            frequency_penalty=self._upload([s.frequency_penalty for s in specs], np.float32),
-            repetition_penalty=self._upload([s.repetition_penalty for s in specs], np.float32),
-            prompt_lens=self._upload([r.req.prompt_len for r in rows], np.int64),
-            all_greedy=all(s.temperature == 0.0 for s in specs),
-            any_greedy=any(s.temperature < GREEDY_EPS for s in specs),
-            any_top_k_top_p=any(s.top_k > 0 or s.top_p < 1.0 for s in specs),
-            any_min_p=any(s.min_p > 0.0 for s in specs),
-            any_explicit_seed=any(s.seed is not None for s in specs),
-            num_logprobs=max(logprobs) if logprobs else -1,
-        )
-
-    def _history(self, rows: list[Row]) -> torch.Tensor | None:
-        if not any(_has_penalty(r.req) for r in rows):
+    def _stage_history(self, stage: Staging, rows: list[Row], slots: IntArray) -> int | None:
+        if not self.params.has_penalty[slots].any():
             return None
         # Tokens known to the pool before this step's sample: the prompt and every earlier output.
         lengths = np.array([r.req.device_len for r in rows], dtype=np.int64)
         cols = np.arange(int(lengths.max()))[None, :]
-        base = np.array([r.req.slot * self.table.max_seq_len for r in rows], dtype=np.int64)[:, None]
-        return self._upload(np.where(cols < lengths[:, None], base + cols, -1), np.int64)
+        base = (slots * self.table.max_seq_len)[:, None]
+        return stage.add(np.where(cols < lengths[:, None], base + cols, -1), np.int64)
 
 
-def _has_penalty(req: Request) -> bool:
-    s = req.sampling
-    return s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0
+@dataclass(frozen=True)
+class _StagedSampling:
+    """A SamplingBatch whose tensors are still indices into the staged arrays."""
+
+    tensors: dict[str, int]
+    flags: dict[str, bool]
+    num_logprobs: int
+
+    def build(self, device_views: list[torch.Tensor]) -> SamplingBatch:
+        t = {name: device_views[i] for name, i in self.tensors.items()}
+        f = self.flags
+        return SamplingBatch(
+            temperature=t["temperature"],
+            top_p=t["top_p"],
+            top_k=t["top_k"],
+            min_p=t["min_p"],
+            seeds=t["seeds"],
+            steps=t["steps"],
+            presence_penalty=t["presence_penalty"],
+            frequency_penalty=t["frequency_penalty"],
+            repetition_penalty=t["repetition_penalty"],
+            prompt_lens=t["prompt_lens"],
+            all_greedy=f["all_greedy"],
+            any_greedy=f["any_greedy"],
+            any_top_k_top_p=f["any_top_k_top_p"],
+            any_min_p=f["any_min_p"],
+            any_explicit_seed=f["any_explicit_seed"],
+            num_logprobs=self.num_logprobs,
+        )

@@ -149,18 +149,24 @@ class KVManager:
         req.pages = []
 
     # ---- growth and window eviction --------------------------------------------------------
-    def grow(self, req: Request, new_len: int) -> None:
-        """Allocate pages so the request's KV can hold `new_len` tokens."""
-        for g in range(len(self.groups)):
-            need = _ceil_div(new_len, self.page_size) - len(req.pages[g])
+    def grow(self, req: Request, new_len: int) -> list[tuple[int, int, list[int]]]:
+        """Allocate pages so the request's KV can hold `new_len` tokens; returns what was allocated,
+        as (group, logical index of the first new page, new pages), usually nothing."""
+        grown = []
+        pages_needed = _ceil_div(new_len, self.page_size)
+        for g, pages in enumerate(req.pages):
+            need = pages_needed - len(pages)
             if need <= 0:
                 continue
             if need > req.reserved[g]:
                 raise RuntimeError(f"request {req.rid} outgrew its KV reservation in group {g}")
-            req.pages[g].extend(self._alloc(g, need))
+            new = self._alloc(g, need)
+            grown.append((g, len(pages), new))
+            pages.extend(new)
             req.reserved[g] -= need
             self.outstanding[g] -= need
             self.peak_used[g] = max(self.peak_used[g], self._used(g))
+        return grown
 
     def _alloc(self, group: int, n: int) -> list[int]:
         allocator = self.allocators[group]

@@ -37,19 +37,19 @@ class Request:
     last_batch: int = -1  # id of the latest batch this request was scheduled in
     released: bool = False  # its pages have gone back to the pool or the prefix cache
 
+    # Cached: read several times per request per step, and prompt_ids never changes.
+    prompt_len: int = field(init=False)
+
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
         if not self.device_len:
-            self.device_len = len(self.prompt_ids)
+            self.device_len = self.prompt_len
 
     @staticmethod
     def derive_seed(base_seed: int, rid: int, seed: int | None) -> int:
         if seed is not None:
             return seed & _SEED_MASK
         return (base_seed * 1_000_003 + rid * 7919 + 1) & _SEED_MASK
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def scheduled_outputs(self) -> int:

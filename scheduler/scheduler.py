@@ -63,6 +63,7 @@ class Scheduler:
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
         self.builder = BatchBuilder(self.table, kv, self.device)
+        self.has_window = any(g.window is not None for g in kv.groups)
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
         self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
@@ -125,6 +126,7 @@ class Scheduler:
                 break  # FIFO: wait for pages instead of letting later requests overtake
             del self.waiting[req.rid]
             req.slot = self.table.acquire()
+            self.builder.admit(req)
             self.running[req.rid] = req
             with self.streams.use(self.streams.scheduler):
                 self.table.write_prompt(req.slot, req.prompt_ids, self.device.type == "cuda")
@@ -149,14 +151,12 @@ class Scheduler:
 
     def _row(self, req: Request, length: int, newest_launched: int) -> Row:
         start = req.kv_len
-        self.kv.evict_window(req, start, newest_launched)
-        before = [len(p) for p in req.pages]
-        self.kv.grow(req, start + length)
-        for g, pages in enumerate(req.pages):
-            new = pages[before[g] :]
+        if self.has_window:
+            self.kv.evict_window(req, start, newest_launched)
+        for g, first, new in self.kv.grow(req, start + length):
             if self.config.guard_inflight_pages:
                 self._check_not_inflight(g, new)
-            self.table.set_pages(g, req.slot, before[g], new)
+            self.table.set_pages(g, req.slot, first, new)
         samples = start + length == req.device_len
         return Row(req, start, length, samples)
 

@@ -1,0 +1,47 @@
+"""Per-slot copies of each running request's sampling parameters, as numpy columns.
+
+A request's parameters never change while it runs, so they are written once, when it takes a slot,
+and every batch gathers its rows' values with one numpy index per column: a decode batch of 256 rows
+would otherwise walk its requests a dozen times in Python each step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.scheduler.messages import SamplingSpec
+
+
+class SlotParams:
+    """Columns indexed by request slot; a slot's values are meaningful only while it is taken."""
+
+    def __init__(self, max_running: int) -> None:
+        n = max_running
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.seed = np.zeros(n, dtype=np.int64)
+        self.explicit_seed = np.zeros(n, dtype=bool)
+        self.presence_penalty = np.zeros(n, dtype=np.float32)
+        self.frequency_penalty = np.zeros(n, dtype=np.float32)
+        self.repetition_penalty = np.ones(n, dtype=np.float32)
+        self.has_penalty = np.zeros(n, dtype=bool)
+        self.prompt_len = np.zeros(n, dtype=np.int64)
+        self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none requested
+
+    def set(self, slot: int, spec: SamplingSpec, seed: int, prompt_len: int) -> None:
+        self.temperature[slot] = spec.temperature
+        self.top_p[slot] = spec.top_p
+        self.top_k[slot] = spec.top_k
+        self.min_p[slot] = spec.min_p
+        self.seed[slot] = seed
+        self.explicit_seed[slot] = spec.seed is not None
+        self.presence_penalty[slot] = spec.presence_penalty
+        self.frequency_penalty[slot] = spec.frequency_penalty
+        self.repetition_penalty[slot] = spec.repetition_penalty
+        self.has_penalty[slot] = (
+            spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0 or spec.repetition_penalty != 1.0
+        )
+        self.prompt_len[slot] = prompt_len
+        self.logprobs[slot] = -1 if spec.logprobs is None else spec.logprobs

@@ -1,0 +1,71 @@
+"""One host buffer and one host-to-device copy for all the arrays a batch sends to the device.
+
+A decode batch carries about twenty small arrays (token-pool indices, positions, lengths, page tables,
+sampling parameters). Pinning and copying each on its own costs tens of microseconds of host time
+apiece, which at large batch is a visible share of the step; packed, it is one pinned allocation and
+one `cudaMemcpyAsync`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+_ALIGN = 8  # bytes: every array starts at a multiple of the widest element size
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Views of the packed arrays: on the host (pinned on CUDA) and on the device."""
+
+    host: list[torch.Tensor]
+    device: list[torch.Tensor]
+
+
+class Staging:
+    """Collects arrays with `add` (which returns the array's index), then packs and sends them.
+
+    On CPU the device views are the host views: there is nothing to copy.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        self._arrays: list[npt.NDArray[np.generic]] = []
+
+    def add(self, array: npt.ArrayLike, dtype: type) -> int:
+        packed: npt.NDArray[np.generic] = np.ascontiguousarray(array, dtype=dtype)
+        if packed.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"cannot stage {packed.dtype}: use int64, int32 or float32")
+        self._arrays.append(packed)
+        return len(self._arrays) - 1
+
+    def send(self) -> Staged:
+        """Pack every added array into one buffer and start its copy on the current stream."""
+        offsets = []
+        total = 0
+        for array in self._arrays:
+            offsets.append(total)
+            total += -(-array.nbytes // _ALIGN) * _ALIGN
+        buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin)
+        raw = buffer.numpy()
+        for array, offset in zip(self._arrays, offsets):
+            raw[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+        on_device = buffer.to(self.device, non_blocking=True) if self.pin else buffer
+
+        def views(packed: torch.Tensor) -> list[torch.Tensor]:
+            return [
+                packed[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+                for array, offset in zip(self._arrays, offsets)
+            ]
+
+        host = views(buffer)
+        return Staged(host, host if on_device is buffer else views(on_device))
