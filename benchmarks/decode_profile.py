@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tandem.benchmarks.common import RESULTS, cuda_times, measure_ceilings, print_table, write_result
 from tandem.benchmarks.engine_steps import PAGE, build_engine, decode_batch, seconds_per_step
-from tandem.benchmarks.shapes import LLAMA_3_1_8B, ModelCost, write_random_model
+from tandem.benchmarks.shapes import SHAPES, ModelCost, write_random_model
 from tandem.engine.engine import Engine
 
 # First match wins; names are CUDA kernel names as the profiler reports them.
@@ -121,7 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's own count")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
@@ -134,7 +135,9 @@ def main() -> None:
     device = torch.device(args.device)
     ceilings = measure_ceilings(device)
     bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
-    shape = {**LLAMA_3_1_8B, "num_hidden_layers": args.layers}
+    family, base = SHAPES[args.shape]
+    layers = args.layers or base["num_hidden_layers"]
+    shape = {**base, "num_hidden_layers": layers}
     gemm_shape = dict(shape)
     if args.gemm_shape:
         h, i, v = (int(x) for x in args.gemm_shape.split(","))
@@ -148,7 +151,7 @@ def main() -> None:
         )
     gemms = gemm_rows(gemm_shape, batches, bandwidth, device)
     model_dir = write_random_model(
-        Path(f"/tmp/tandem-bench/llama-8b-{args.layers}l"), "llama", device=device, **shape
+        Path(f"/tmp/tandem-bench/{args.shape}-{layers}l"), family, device=device, **shape
     )
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
     engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
@@ -185,7 +188,7 @@ def main() -> None:
             }
         )
     switches = engine.config.switches()
-    name = f"decode-profile-llama-3.1-8b-{args.layers}l" + (f"-{args.tag}" if args.tag else "")
+    name = f"decode-profile-{args.shape}-{layers}l" + (f"-{args.tag}" if args.tag else "")
     path = write_result(
         name,
         {

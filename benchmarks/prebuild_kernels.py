@@ -3,7 +3,7 @@
 flashinfer compiles each kernel variant on first use, one after another (tens of seconds to minutes
 each on an H200). tandem needs one module per (head_dim, sliding window, soft-cap) in bf16: the fa2
 paged prefill module, which also serves tensor-core decode (see FlashInferBackend), plus the norm,
-rope and activation modules of the fused kernels. Building them
+rope, activation and sampling modules of the fused kernels and the K/V append module. Building them
 together uses every core at once; `save_fi_cache DIR` (from .device/gpu-env.sh) then keeps them for
 the next host. Best effort: if this flashinfer's internals differ, the kernels still build lazily.
 
@@ -36,7 +36,9 @@ def main() -> int:
         from flashinfer.jit.activation import gen_act_and_mul_module
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
         from flashinfer.jit.norm import gen_norm_module
+        from flashinfer.jit.page import gen_page_module
         from flashinfer.jit.rope import gen_rope_module
+        from flashinfer.jit.sampling import gen_sampling_module
         from flashinfer.utils import PosEncodingMode
 
         bf16 = torch.bfloat16
@@ -49,13 +51,15 @@ def main() -> int:
         # The fused kernels (engine/layers/fused.py): norms, rope, and the MLP's act-and-mul.
         specs += [gen_norm_module(), gen_rope_module()]
         specs += [gen_act_and_mul_module(name) for name in ("silu", "gelu_tanh")]
+        # The K/V append (flashinfer backend) and the fused sampler's draw.
+        specs += [gen_page_module(), gen_sampling_module()]
         start = time.perf_counter()
         build_jit_specs(specs)
     except Exception as exc:  # the kernels will still build on first use
         print(f"prebuild skipped: {exc!r}", file=sys.stderr)
         return 0
     took = time.perf_counter() - start
-    print(f"built {len(specs)} flashinfer modules (attention {variants}, norm, rope) in {took:.0f} s")
+    print(f"built {len(specs)} flashinfer modules (attention {variants}, norm, rope, ...) in {took:.0f} s")
     return 0
 
 

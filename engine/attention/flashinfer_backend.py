@@ -1,8 +1,9 @@
 """flashinfer paged attention for the GPU: extend/prefill over a cached prefix, decode, decode graphs.
 
 Planning happens once per batch and KV group, outside any graph, from the host copies of the batch
-(lengths, kv_start) plus page indices gathered on the device; `forward` only stores K/V and runs the
-planned wrapper, so it works inside a full decode graph and between piecewise prefill graphs alike.
+(lengths, kv_start, page table): page lists and append coordinates are built on the host and sent in
+one copy (paged_layout.py); `forward` only stores K/V and runs the planned wrapper, so it works inside
+a full decode graph and between piecewise prefill graphs alike.
 
 Never import this module on CPU: the backend registry imports it on first use only.
 """
@@ -22,8 +23,8 @@ from tandem.engine.attention.paged_layout import (
     PagedLayout,
     append_coordinates,
     empty_layout,
-    kv_page_indices,
     pad_layout,
+    page_indices,
     paged_layout,
 )
 from tandem.engine.batch import ForwardBatch
@@ -52,7 +53,6 @@ class _GraphBuffers:
     last_page_len: torch.Tensor  # int32 [max_bs]
     rows: torch.Tensor  # int32 [max_bs]: 0, 1, 2, ...: decode rows append one token each
     positions: torch.Tensor  # int32 [max_bs]: rewritten by each plan
-    dummy_pages: torch.Tensor  # int32 [max_bs], all the pool's dummy page
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
 
@@ -138,29 +138,31 @@ class FlashInferBackend:
             gid = group.group_id
             paging = batch.groups[gid]
             layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
-            indices = kv_page_indices(
-                paging.page_table, paging.kv_start, batch.seq_lens, self.page_size, layout.num_pages
+            indices = page_indices(paging.page_table_cpu, paging.kv_start_cpu, layout, self.page_size)
+            rows, positions = append_coordinates(layout.kv_lens, batch.extend_lens_cpu)
+            host, dev = self._send(
+                [layout.indptr, layout.last_page_len, layout.kv_lens, indices, rows, positions]
             )
+            pinned = PagedLayout(host[0], host[1], host[2])
             if qo_indptr is None:
                 wrapper = self.decode[gid]
-                self._plan_decode(wrapper, gid, layout.pin(), indices)
+                self._plan_decode(wrapper, gid, pinned, dev[3])
             else:
                 wrapper = self.prefill[gid]
-                self._plan_prefill(wrapper, gid, qo_indptr, layout.pin(), indices)
+                self._plan_prefill(wrapper, gid, qo_indptr, pinned, dev[3])
             self._active[gid] = wrapper
-            self._append[gid] = self._upload_append(layout, batch.extend_lens_cpu, indices)
+            self._append[gid] = _Append(dev[4], dev[5], dev[3], dev[0], dev[1])
         self._record_plan()
 
-    def _upload_append(
-        self, layout: PagedLayout, extend_lens: torch.Tensor, indices: torch.Tensor
-    ) -> _Append:
-        """The append kernel's metadata, in one host-to-device copy."""
-        rows, positions = append_coordinates(layout.kv_lens, extend_lens)
-        host = torch.cat([layout.indptr, layout.last_page_len, rows, positions])
-        device = host.pin_memory().to(self.device, non_blocking=True)
-        b, t = layout.batch_size, rows.shape[0]
-        indptr, last, rows_d, positions_d = device.split([b + 1, b, t, t])
-        return _Append(rows_d, positions_d, indices, indptr, last)
+    def _send(self, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host int32 arrays -> (pinned host views, device views), through one pinned buffer and one
+        asynchronous copy: the planners read the host side, the kernels the device side.
+
+        Page indices must go to the planners from the device: in graph mode flashinfer copies host
+        indices into its buffer synchronously, which would wait for the batch still running."""
+        host = torch.cat(parts).pin_memory()
+        sizes = [p.shape[0] for p in parts]
+        return list(host.split(sizes)), list(host.to(self.device, non_blocking=True).split(sizes))
 
     def _plan_prefill(
         self, wrapper: Any, gid: int, qo_indptr: torch.Tensor, layout: PagedLayout, indices: torch.Tensor
@@ -232,7 +234,6 @@ class FlashInferBackend:
                 last_page_len=last,
                 rows=rows,
                 positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
-                dummy_pages=torch.full((max_bs,), dummy, dtype=torch.int32, device=self.device),
                 wrappers=wrappers,
             )
 
@@ -244,23 +245,21 @@ class FlashInferBackend:
             gid = group.group_id
             bufs = self._graph[gid]
             if batch is None:
-                layout = empty_layout()
-                indices = bufs.dummy_pages[:0]
+                layout, indices = empty_layout(), torch.zeros(0, dtype=torch.int32)
             else:
                 paging = batch.groups[gid]
                 layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
-                indices = kv_page_indices(
-                    paging.page_table, paging.kv_start, batch.seq_lens, self.page_size, layout.num_pages
-                )
-            if pad:
-                # Padding rows list the dummy page alone (one token), so they store K/V only there.
-                indices = torch.cat([indices, bufs.dummy_pages[:pad]])
+                indices = page_indices(paging.page_table_cpu, paging.kv_start_cpu, layout, self.page_size)
+            # Padding rows list the dummy page alone (one token), so they store K/V only there.
+            indices = torch.cat([indices, torch.full((pad,), group.num_pages, dtype=torch.int32)])
             padded = pad_layout(layout, graph_bs)
-            wrapper = bufs.wrappers[graph_bs]
-            self._plan_decode(wrapper, gid, padded.pin(), indices)  # fills indptr, indices, last
             # Each row's new token is the last of its listed KV.
-            positions = (padded.kv_lens - 1).pin_memory()
-            bufs.positions[:graph_bs].copy_(positions, non_blocking=True)
+            parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, padded.kv_lens - 1]
+            host, dev = self._send(parts)
+            wrapper = bufs.wrappers[graph_bs]
+            # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
+            self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
+            bufs.positions[:graph_bs].copy_(dev[4])
             self._active[gid] = wrapper
             self._append[gid] = _Append(
                 bufs.rows[:graph_bs],

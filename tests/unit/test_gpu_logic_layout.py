@@ -10,8 +10,8 @@ from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     append_coordinates,
     empty_layout,
-    kv_page_indices,
     pad_layout,
+    page_indices,
     paged_layout,
 )
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
@@ -47,13 +47,7 @@ def test_page_lists_skip_evicted_pages(page_size: int) -> None:
         # The listed pages hold exactly the live tokens.
         assert (len(ref[b]) - 1) * page_size + int(layout.last_page_len[b]) == n - kv_start[b]
         assert int(layout.kv_lens[b]) == n - kv_start[b]
-    indices = kv_page_indices(
-        table,
-        torch.tensor(kv_start, dtype=torch.int32),
-        torch.tensor(seq, dtype=torch.int32),
-        page_size,
-        layout.num_pages,
-    )
+    indices = page_indices(table, torch.tensor(kv_start, dtype=torch.int32), layout, page_size)
     assert indices.dtype == torch.int32
     assert indices.tolist() == [p for r in ref for p in r]
 
@@ -71,7 +65,7 @@ def test_append_coordinates_address_the_new_tokens_slots(page_size: int) -> None
     table = torch.randperm(len(seq) * width, generator=g).view(len(seq), width).to(torch.int32)
     seq_t, start_t = torch.tensor(seq, dtype=torch.int32), torch.tensor(kv_start, dtype=torch.int32)
     layout = paged_layout(seq_t, start_t, page_size)
-    indices = kv_page_indices(table, start_t, seq_t, page_size, layout.num_pages)
+    indices = page_indices(table, start_t, layout, page_size)
     rows, positions = append_coordinates(layout.kv_lens, torch.tensor(extend, dtype=torch.int32))
     assert rows.dtype == positions.dtype == torch.int32
     expected = [
