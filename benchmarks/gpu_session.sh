@@ -2,7 +2,8 @@
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|offline|latency|profile|hf|serve [OUT]
-# About: tests 6 min (kernel builds included), offline 4, latency 6, profile 4, hf 5, serve 3.
+# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), offline 4, latency 6, profile 4,
+# hf 5, serve 3.
 set -uo pipefail
 PHASE=${1:?phase: tests, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
