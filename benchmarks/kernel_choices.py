@@ -7,7 +7,8 @@ Qwen3-0.6B offline at batch up to 256):
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
   kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
-- weight GEMMs: cuBLAS against cuBLASLt (torch's preferred BLAS library), against copy bandwidth;
+- weight GEMMs: cuBLAS against cuBLASLt (torch's preferred BLAS library), the other weight layout, and
+  flashinfer's small-M kernel, against copy bandwidth;
 - programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`.
 
@@ -181,7 +182,14 @@ def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str,
     return [row]
 
 
-def gemm_rows(shape: dict[str, Any], batches: list[int], bandwidth: float) -> list[dict[str, Any]]:
+GEMM_LIBS = ("cublas", "cublaslt", "cublas_kn", "tinygemm")
+
+
+def gemm_rows(
+    shape: dict[str, Any], batches: list[int], bandwidth: float, libs: tuple[str, ...] = GEMM_LIBS
+) -> list[dict[str, Any]]:
+    """Each weight GEMM per library: cuBLAS or cuBLASLt on the [N, K] weight (what F.linear runs),
+    cuBLAS on a [K, N] copy (`x @ w`, the other operand layout), flashinfer's small-M tinygemm."""
     h, i, heads, kvh = shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"]
     layers = {
         "qkv": ((heads + 2 * kvh) * HEAD_DIM, h),
@@ -195,14 +203,17 @@ def gemm_rows(shape: dict[str, Any], batches: list[int], bandwidth: float) -> li
         size = n * kdim * 2
         copies = max(2, -(-160_000_000 // size))
         weights = [torch.randn(n, kdim, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
+        transposed = [w.t().contiguous() for w in weights] if "cublas_kn" in libs else []
         for bs in batches:
             x = torch.randn(bs, kdim, dtype=BF16, device="cuda")
             row: dict[str, Any] = {"part": "gemm", "model": shape["name"], "layer": name, "bs": bs}
-            for lib in ("cublas", "cublaslt", "tinygemm", "cutlass"):
+            for lib in libs:
                 try:
                     if lib in ("cublas", "cublaslt"):
                         torch.backends.cuda.preferred_blas_library(lib)
                         call = functools.partial(_linear, x, weights)
+                    elif lib == "cublas_kn":
+                        call = functools.partial(_matmul, x, transposed)
                     else:  # flashinfer's bf16 GEMMs; tinygemm is its small-M kernel
                         call = functools.partial(_fi_mm, lib, x, weights)
                     us = graph_us(call, 2 * copies)
@@ -289,6 +300,10 @@ def _run_attention(wrapper: Any, q: torch.Tensor, caches: list[Any], out: torch.
 
 def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
     return F.linear(x, weights[j % len(weights)])
+
+
+def _matmul(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
+    return x @ weights[j % len(weights)]
 
 
 def _fi_mm(backend: str, x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
