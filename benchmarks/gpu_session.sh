@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
-#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|offline|latency|profile|hf|serve [OUT]
-# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), offline 4, latency 6, profile 4,
-# hf 5, serve 3.
+#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
+# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 8 (kernel builds and
+# kernel_choices.py), offline 4, latency 6, profile 4, hf 5, serve 3.
 set -uo pipefail
-PHASE=${1:?phase: tests, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
+PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
 export TANDEM_COMMIT=${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 run() {  # name, timeout in s, command...: log to OUT/name.log, say how it ended
@@ -16,9 +16,14 @@ run() {  # name, timeout in s, command...: log to OUT/name.log, say how it ended
 case $PHASE in
   tests)
     run prebuild 300 python3 benchmarks/prebuild_kernels.py --softcap
-    run gpu-tests 420 python3 -m pytest tests/gpu -p no:warnings -rfE \
+    run gpu-tests 480 python3 -m pytest tests/gpu -p no:warnings -rfE \
       --deselect tests/gpu/test_replica_serve_gpu.py
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/gpu-tests.log" | tail -15 ;;
+  probe)
+    python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+    run prebuild 300 python3 benchmarks/prebuild_kernels.py --softcap
+    run kernel-choices 240 python3 benchmarks/kernel_choices.py --out-dir "$OUT"
+    grep -A12 "^model" "$OUT/kernel-choices.log" | cut -c1-160 | tail -40 ;;
   offline)
     run offline 420 python3 benchmarks/offline.py --out-dir "$OUT"
     run short-prefill 120 python3 benchmarks/offline.py --num-seqs 64 --min-input 128 --max-input 128 \
