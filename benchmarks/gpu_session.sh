@@ -2,8 +2,8 @@
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
-# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 8 (kernel builds and
-# kernel_choices.py), offline 4, latency 6, profile 4, hf 5, serve 3.
+# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 9 (kernel builds and
+# the GEMM part of kernel_choices.py), offline 4, latency 6, profile 4, hf 5, serve 3.
 set -uo pipefail
 PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ case $PHASE in
   probe)
     python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
     run prebuild 300 python3 benchmarks/prebuild_kernels.py --softcap
-    run kernel-choices 240 python3 benchmarks/kernel_choices.py --out-dir "$OUT"
+    run kernel-choices 280 python3 benchmarks/kernel_choices.py --parts gemm --out-dir "$OUT"
     grep -A12 "^model" "$OUT/kernel-choices.log" | cut -c1-160 | tail -40 ;;
   offline)
     run offline 420 python3 benchmarks/offline.py --out-dir "$OUT"

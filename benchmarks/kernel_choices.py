@@ -182,7 +182,7 @@ def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str,
     return [row]
 
 
-GEMM_LIBS = ("cublas", "cublaslt", "cublas_kn", "tinygemm")
+GEMM_LIBS = ("cublas", "cublaslt", "cublas_kn", "tinygemm", "triton")
 
 
 def gemm_rows(
@@ -208,6 +208,9 @@ def gemm_rows(
             x = torch.randn(bs, kdim, dtype=BF16, device="cuda")
             row: dict[str, Any] = {"part": "gemm", "model": shape["name"], "layer": name, "bs": bs}
             for lib in libs:
+                if lib == "triton":
+                    row.update(_triton_gemv(x, weights, copies, size, bandwidth))
+                    continue
                 try:
                     if lib in ("cublas", "cublaslt"):
                         torch.backends.cuda.preferred_blas_library(lib)
@@ -300,6 +303,46 @@ def _run_attention(wrapper: Any, q: torch.Tensor, caches: list[Any], out: torch.
 
 def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
     return F.linear(x, weights[j % len(weights)])
+
+
+def _triton_gemv(
+    x: torch.Tensor, weights: list[torch.Tensor], copies: int, size: int, bandwidth: float
+) -> dict[str, Any]:
+    """The candidate Triton kernel (triton_gemv.py) at its best block config, for M <= 8."""
+    if x.shape[0] > 8:
+        return {}
+    try:
+        from tandem.benchmarks.triton_gemv import CONFIGS, gemv
+
+        want = F.linear(x, weights[0]).float()
+        err = float((gemv(x, weights[0]).float() - want).abs().max() / want.abs().max())
+        timed = {}
+        m_pad = 1 << (x.shape[0] - 1).bit_length()
+        for bn, bk, warps in CONFIGS:
+            if m_pad * bn * bk > 128 * 32 * warps:  # over ~128 float32 products per thread: spills
+                continue
+            call = functools.partial(_gemv_call, gemv, x, weights, (bn, bk, warps))
+            timed[(bn, bk, warps)] = graph_us(call, 2 * copies)
+        best = min(timed, key=timed.__getitem__)
+        us = timed[best]
+        return {
+            "triton": round(us, 2),
+            "triton_pct_bw": round(100 * size / bandwidth / (us * 1e-6), 1),
+            "triton_cfg": "x".join(map(str, best)),
+            "triton_rel_err": round(err, 4),
+        }
+    except Exception as exc:
+        return {"triton": f"failed: {type(exc).__name__}: {str(exc)[:80]}"}
+
+
+def _gemv_call(
+    gemv: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    cfg: tuple[int, int, int],
+    j: int,
+) -> torch.Tensor:
+    return gemv(x, weights[j % len(weights)], block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2])
 
 
 def _matmul(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
