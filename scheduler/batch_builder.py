@@ -88,8 +88,9 @@ class BatchBuilder:
             self._stage_group(stage, g, rows, slots, ends, row_of_token, positions)
             for g in range(len(self.kv.groups))
         ]
-        sampling = self._stage_sampling(stage, rows, slots)
-        history = self._stage_history(stage, rows, slots)
+        device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
+        sampling = self._stage_sampling(stage, rows, slots, device_lens)
+        history = self._stage_history(stage, slots, device_lens)
         sent = stage.send()
         dev, host = sent.device, sent.host
         return PreparedBatch(
@@ -140,9 +141,10 @@ class BatchBuilder:
             )
         return stage.add(table, np.int32), stage.add(kv_start, np.int32), stage.add(loc, np.int64)
 
-    def _stage_sampling(self, stage: Staging, rows: list[Row], slots: IntArray) -> _StagedSampling:
+    def _stage_sampling(
+        self, stage: Staging, rows: list[Row], slots: IntArray, device_lens: IntArray
+    ) -> _StagedSampling:
         p = self.params
-        device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
         temperature, top_p, top_k = p.temperature[slots], p.top_p[slots], p.top_k[slots]
         min_p, logprobs = p.min_p[slots], p.logprobs[slots]
         prompt_lens = p.prompt_len[slots]
@@ -169,11 +171,12 @@ class BatchBuilder:
             num_logprobs=int(logprobs.max()) if len(rows) else -1,
         )
 
-    def _stage_history(self, stage: Staging, rows: list[Row], slots: IntArray) -> int | None:
+    def _stage_history(self, stage: Staging, slots: IntArray, device_lens: IntArray) -> int | None:
         if not self.params.has_penalty[slots].any():
             return None
-        # Tokens known to the pool before this step's sample: the prompt and every earlier output.
-        lengths = np.array([r.req.device_len for r in rows], dtype=np.int64)
+        # Tokens known to the pool before this step's sample (device_lens): the prompt and every
+        # earlier output.
+        lengths = device_lens
         cols = np.arange(int(lengths.max()))[None, :]
         base = (slots * self.table.max_seq_len)[:, None]
         return stage.add(np.where(cols < lengths[:, None], base + cols, -1), np.int64)

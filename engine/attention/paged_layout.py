@@ -37,12 +37,6 @@ class PagedLayout:
     def batch_size(self) -> int:
         return int(self.last_page_len.shape[0])
 
-    def pin(self) -> PagedLayout:
-        """Pinned copies, so the planners' host-to-device copies are truly asynchronous."""
-        return PagedLayout(
-            self.indptr.pin_memory(), self.last_page_len.pin_memory(), self.kv_lens.pin_memory()
-        )
-
 
 def paged_layout(seq_lens: torch.Tensor, kv_start: torch.Tensor, page_size: int) -> PagedLayout:
     """Host page counts per row: every row keeps at least its newest token, so never zero pages."""
