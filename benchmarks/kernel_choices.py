@@ -7,8 +7,8 @@ Qwen3-0.6B offline at batch up to 256):
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
   kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
-- weight GEMMs: cuBLAS against cuBLASLt (torch's preferred BLAS library), the other weight layout, and
-  flashinfer's small-M kernel, against copy bandwidth;
+- weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
+  weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
 - programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,39 +29,39 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.benchmarks.common import RESULTS, measure_ceilings, print_table, release_memory, write_result
+from tandem.benchmarks.common import (
+    RESULTS,
+    graph_us,
+    measure_ceilings,
+    print_table,
+    release_memory,
+    write_result,
+)
 from tandem.benchmarks.engine_steps import sampling
+from tandem.benchmarks.gemm_variants import gemm_rows
 from tandem.engine.sampler import Sampler
 
 PAGE = 16
 HEAD_DIM = 128
 BF16 = torch.bfloat16
-LLAMA = {"name": "llama-8b", "heads": 32, "kv_heads": 8, "hidden": 4096, "inter": 14336, "vocab": 128256}
-QWEN = {"name": "qwen3-0.6b", "heads": 16, "kv_heads": 8, "hidden": 1024, "inter": 3072, "vocab": 151936}
-
-
-def graph_us(call: Callable[[int], object], calls: int, replays: int = 15) -> float:
-    """µs per call of call(i), i < calls, captured back to back into one graph; median of replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+LLAMA = {
+    "name": "llama-8b",
+    "head_dim": HEAD_DIM,
+    "heads": 32,
+    "kv_heads": 8,
+    "hidden": 4096,
+    "inter": 14336,
+    "vocab": 128256,
+}
+QWEN = {
+    "name": "qwen3-0.6b",
+    "head_dim": HEAD_DIM,
+    "heads": 16,
+    "kv_heads": 8,
+    "hidden": 1024,
+    "inter": 3072,
+    "vocab": 151936,
+}
 
 
 class PagedCase:
@@ -182,53 +181,6 @@ def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str,
     return [row]
 
 
-GEMM_LIBS = ("cublas", "cublaslt", "cublas_kn", "tinygemm", "triton")
-
-
-def gemm_rows(
-    shape: dict[str, Any], batches: list[int], bandwidth: float, libs: tuple[str, ...] = GEMM_LIBS
-) -> list[dict[str, Any]]:
-    """Each weight GEMM per library: cuBLAS or cuBLASLt on the [N, K] weight (what F.linear runs),
-    cuBLAS on a [K, N] copy (`x @ w`, the other operand layout), flashinfer's small-M tinygemm."""
-    h, i, heads, kvh = shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"]
-    layers = {
-        "qkv": ((heads + 2 * kvh) * HEAD_DIM, h),
-        "o": (h, heads * HEAD_DIM),
-        "gate_up": (2 * i, h),
-        "down": (h, i),
-        "lm_head": (shape["vocab"], h),
-    }
-    rows = []
-    for name, (n, kdim) in layers.items():
-        size = n * kdim * 2
-        copies = max(2, -(-160_000_000 // size))
-        weights = [torch.randn(n, kdim, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
-        transposed = [w.t().contiguous() for w in weights] if "cublas_kn" in libs else []
-        for bs in batches:
-            x = torch.randn(bs, kdim, dtype=BF16, device="cuda")
-            row: dict[str, Any] = {"part": "gemm", "model": shape["name"], "layer": name, "bs": bs}
-            for lib in libs:
-                if lib == "triton":
-                    row.update(_triton_gemv(x, weights, copies, size, bandwidth))
-                    continue
-                try:
-                    if lib in ("cublas", "cublaslt"):
-                        torch.backends.cuda.preferred_blas_library(lib)
-                        call = functools.partial(_linear, x, weights)
-                    elif lib == "cublas_kn":
-                        call = functools.partial(_matmul, x, transposed)
-                    else:  # flashinfer's bf16 GEMMs; tinygemm is its small-M kernel
-                        call = functools.partial(_fi_mm, lib, x, weights)
-                    us = graph_us(call, 2 * copies)
-                    row[lib] = round(us, 2)
-                    row[f"{lib}_pct_bw"] = round(100 * size / bandwidth / (us * 1e-6), 1)
-                except Exception as exc:
-                    row[lib] = f"failed: {type(exc).__name__}: {str(exc)[:60]}"
-            torch.backends.cuda.preferred_blas_library("cublas")
-            rows.append(row)
-    return rows
-
-
 def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -> list[dict[str, Any]]:
     """A decode layer without attention (norm, qkv, o, norm, gate_up, act, down), PDL on or off on the
     flashinfer kernels, `layers` distinct weight sets cycled `repeat` times."""
@@ -299,60 +251,6 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
 
 def _run_attention(wrapper: Any, q: torch.Tensor, caches: list[Any], out: torch.Tensor, i: int) -> None:
     wrapper.run(q, caches[i], out=out)
-
-
-def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
-    return F.linear(x, weights[j % len(weights)])
-
-
-def _triton_gemv(
-    x: torch.Tensor, weights: list[torch.Tensor], copies: int, size: int, bandwidth: float
-) -> dict[str, Any]:
-    """The candidate Triton kernel (triton_gemv.py) at its best block config, for M <= 8."""
-    if x.shape[0] > 8:
-        return {}
-    try:
-        from tandem.benchmarks.triton_gemv import CONFIGS, gemv
-
-        want = F.linear(x, weights[0]).float()
-        err = float((gemv(x, weights[0]).float() - want).abs().max() / want.abs().max())
-        timed = {}
-        m_pad = 1 << (x.shape[0] - 1).bit_length()
-        for bn, bk, warps in CONFIGS:
-            if m_pad * bn * bk > 128 * 32 * warps:  # over ~128 float32 products per thread: spills
-                continue
-            call = functools.partial(_gemv_call, gemv, x, weights, (bn, bk, warps))
-            timed[(bn, bk, warps)] = graph_us(call, 2 * copies)
-        best = min(timed, key=timed.__getitem__)
-        us = timed[best]
-        return {
-            "triton": round(us, 2),
-            "triton_pct_bw": round(100 * size / bandwidth / (us * 1e-6), 1),
-            "triton_cfg": "x".join(map(str, best)),
-            "triton_rel_err": round(err, 4),
-        }
-    except Exception as exc:
-        return {"triton": f"failed: {type(exc).__name__}: {str(exc)[:80]}"}
-
-
-def _gemv_call(
-    gemv: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    weights: list[torch.Tensor],
-    cfg: tuple[int, int, int],
-    j: int,
-) -> torch.Tensor:
-    return gemv(x, weights[j % len(weights)], block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2])
-
-
-def _matmul(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
-    return x @ weights[j % len(weights)]
-
-
-def _fi_mm(backend: str, x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:
-    import flashinfer
-
-    return flashinfer.mm_bf16(x, weights[j % len(weights)].t(), backend=backend)  # type: ignore[no-any-return]
 
 
 def _compose(outer: Callable[[Any], Any], inner: Callable[[], Any]) -> Any:
