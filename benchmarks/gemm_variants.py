@@ -1,7 +1,8 @@
 """Each weight GEMM of a decode step on its own, per library, in CUDA graphs (kernel_choices.py's GEMM
 part): cuBLAS and cuBLASLt on the [N, K] weight (what F.linear runs), cuBLAS on a [K, N] copy (the other
-operand layout), flashinfer's small-M tinygemm, and the Triton candidate (triton_gemv.py), each against
-the copy bandwidth, over enough weight copies that L2 serves none of them.
+operand layout), flashinfer's small-M tinygemm, and the engine's Triton small-batch kernel
+(engine/layers/triton_gemv.py), each against the copy bandwidth, over enough weight copies that L2
+serves none of them.
 """
 
 from __future__ import annotations
@@ -72,41 +73,50 @@ def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tenso
 def _triton_gemv(
     x: torch.Tensor, weights: list[torch.Tensor], copies: int, size: int, bandwidth: float
 ) -> dict[str, Any]:
-    """The candidate Triton kernel (triton_gemv.py) at its best block config, for M <= 8."""
-    if x.shape[0] > 8:
+    """The engine's Triton kernel (engine/layers/triton_gemv.py) at the block config the engine picks,
+    and the best of the sweep, for M <= 8: how much `pick_config` leaves on the table."""
+    try:
+        from tandem.engine.layers.triton_gemv import MAX_M, SWEEP, gemv, m_pad, pick_config
+    except ImportError as exc:
+        return {"triton": f"failed: {exc}"}
+    if x.shape[0] > MAX_M:
         return {}
     try:
-        from tandem.benchmarks.triton_gemv import CONFIGS, gemv
-
+        (m, k), n = x.shape, weights[0].shape[0]
+        picked = pick_config(m, n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
         want = F.linear(x, weights[0]).float()
-        err = float((gemv(x, weights[0]).float() - want).abs().max() / want.abs().max())
+        got = gemv(x, weights[0], config=picked).float()
+        err = float((got - want).abs().max() / want.abs().max())
         timed = {}
-        m_pad = 1 << (x.shape[0] - 1).bit_length()
-        for bn, bk, warps in CONFIGS:
-            if m_pad * bn * bk > 128 * 32 * warps:  # over ~128 float32 products per thread: spills
-                continue
-            call = functools.partial(_gemv_call, gemv, x, weights, (bn, bk, warps))
-            timed[(bn, bk, warps)] = graph_us(call, 2 * copies)
+        for cfg in {picked, *(c for c in SWEEP if c.fits(m_pad(m)))}:
+            call = functools.partial(_gemv_call, gemv, x, weights, cfg)
+            timed[cfg] = graph_us(call, 2 * copies)
         best = min(timed, key=timed.__getitem__)
-        us = timed[best]
+
+        def pct(us: float) -> float:
+            return round(100 * size / bandwidth / (us * 1e-6), 1)
+
+        def name(c: Any) -> str:
+            return f"{c.block_n}x{c.block_k}x{c.num_warps}"
+
         return {
-            "triton": round(us, 2),
-            "triton_pct_bw": round(100 * size / bandwidth / (us * 1e-6), 1),
-            "triton_cfg": "x".join(map(str, best)),
+            "triton": round(timed[picked], 2),
+            "triton_pct_bw": pct(timed[picked]),
+            "triton_cfg": name(picked),
+            "triton_best": round(timed[best], 2),
+            "triton_best_pct_bw": pct(timed[best]),
+            "triton_best_cfg": name(best),
             "triton_rel_err": round(err, 4),
+            "triton_sweep": {name(c): round(us, 2) for c, us in sorted(timed.items(), key=lambda t: t[1])},
         }
     except Exception as exc:
         return {"triton": f"failed: {type(exc).__name__}: {str(exc)[:80]}"}
 
 
 def _gemv_call(
-    gemv: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    weights: list[torch.Tensor],
-    cfg: tuple[int, int, int],
-    j: int,
+    gemv: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.Tensor], cfg: Any, j: int
 ) -> torch.Tensor:
-    return gemv(x, weights[j % len(weights)], block_n=cfg[0], block_k=cfg[1], num_warps=cfg[2])
+    return gemv(x, weights[j % len(weights)], config=cfg)
 
 
 def _matmul(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from tandem.benchmarks.common import (
     write_result,
 )
 from tandem.benchmarks.engine_steps import sampling
-from tandem.benchmarks.gemm_variants import gemm_rows
+from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
 from tandem.engine.sampler import Sampler
 
 PAGE = 16
@@ -263,8 +263,11 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling")
+    parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
+    parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
+    gemm_libs = tuple(args.gemm_libs.split(","))
     parts = set(args.parts.split(","))
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
@@ -296,9 +299,10 @@ def main() -> None:
         section("attention", attention_rows, shape, bs, ctx, layers, bandwidth)
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
         section("kv_store", kv_store_rows, shape, bs, 32)
-    section("gemm", gemm_rows, LLAMA, [1, 8, 64] if not args.quick else [1], bandwidth)
+    gemm_batches = [int(b) for b in args.gemm_batches.split(",")] if not args.quick else [1]
+    section("gemm", gemm_rows, LLAMA, gemm_batches, bandwidth, gemm_libs)
     if not args.quick:
-        section("gemm", gemm_rows, QWEN, [64, 256], bandwidth)
+        section("gemm", gemm_rows, QWEN, [64, 256], bandwidth, gemm_libs)
     for bs in (1, 64):
         section("pdl", pdl_rows, LLAMA, bs)
     section("sampling", sampling_rows, 128256, [1, 64])
@@ -317,7 +321,9 @@ def main() -> None:
     for part in ("attention", "kv_store", "gemm", "layer_chain_pdl", "sampling"):
         group = [r for r in rows if r.get("part") == part]
         if group:
-            print_table(group, [k for k in group[0] if k != "part" and not k.endswith("_err")])
+            print_table(
+                group, [k for k in group[0] if k not in ("part", "triton_sweep") and not k.endswith("_err")]
+            )
 
 
 if __name__ == "__main__":
