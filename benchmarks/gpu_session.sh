@@ -27,8 +27,8 @@ case $PHASE in
     run gemm-sweep 240 python3 benchmarks/kernel_choices.py --parts gemm --gemm-libs cublas,triton \
       --gemm-batches 1,8 --out-dir "$OUT"
     wait; cat "$OUT/prebuild.rc"
-    run decode-gemv 200 python3 benchmarks/decode.py --batches 1,8 --steps 50 --tag gemv --out-dir "$OUT"
-    run decode-cublas 200 python3 benchmarks/decode.py --batches 1,8 --steps 50 --no-small-batch-gemm \
+    run decode-gemv 160 python3 benchmarks/decode.py --batches 1,8 --steps 50 --tag gemv --out-dir "$OUT"
+    run decode-cublas 140 python3 benchmarks/decode.py --batches 1,8 --steps 50 --no-small-batch-gemm \
       --tag cublas --out-dir "$OUT"
     grep -A11 "^model" "$OUT/gemm-sweep.log" | cut -c1-200 | head -12
     tail -3 "$OUT/decode-gemv.log"; tail -3 "$OUT/decode-cublas.log" ;;
