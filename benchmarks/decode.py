@@ -43,9 +43,6 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="timed steps per repeat (default 100, quick 40)"
     )
-    parser.add_argument(
-        "--no-small-batch-gemm", action="store_true", help="cuBLAS for batch <= 8 (the ablation)"
-    )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--tag", default="")
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
@@ -63,14 +60,7 @@ def main() -> None:
     )
     model_s = time.perf_counter() - start
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
-    engine = build_engine(
-        model_dir,
-        device,
-        num_pages=num_pages,
-        cuda_graph=True,
-        max_bs=max(batches),
-        small_batch_gemm=not args.no_small_batch_gemm,
-    )
+    engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
     cost = ModelCost.of(engine.model_config)
     bandwidth, rate = ceilings["copy_bandwidth_GBps"] * 1e9, ceilings["bf16_matmul_TFLOPs"] * 1e12
     graphs = engine.decode_graphs

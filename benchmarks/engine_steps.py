@@ -21,13 +21,7 @@ PAGE = 16
 
 
 def build_engine(
-    model_dir: Path,
-    device: torch.device,
-    *,
-    num_pages: int,
-    cuda_graph: bool,
-    max_bs: int,
-    small_batch_gemm: bool = True,
+    model_dir: Path, device: torch.device, *, num_pages: int, cuda_graph: bool, max_bs: int
 ) -> Engine:
     config = resolve_engine_config(
         model_dir,
@@ -37,7 +31,6 @@ def build_engine(
         cuda_graph=cuda_graph,
         piecewise_cuda_graph=False,  # decode only
         cuda_graph_max_bs=max_bs,
-        small_batch_gemm=small_batch_gemm,
     )
     engine = Engine(config, TPGroup(), StreamSet(config.device))
     gen = torch.Generator(device=config.device).manual_seed(0)

@@ -1,8 +1,7 @@
 """Each weight GEMM of a decode step on its own, per library, in CUDA graphs (kernel_choices.py's GEMM
 part): cuBLAS and cuBLASLt on the [N, K] weight (what F.linear runs), cuBLAS on a [K, N] copy (the other
-operand layout), flashinfer's small-M tinygemm, and the engine's Triton small-batch kernel
-(engine/layers/triton_gemv.py), each against the copy bandwidth, over enough weight copies that L2
-serves none of them.
+operand layout), flashinfer's small-M tinygemm, and a Triton small-batch candidate (triton_gemv.py),
+each against the copy bandwidth, over enough weight copies that L2 serves none of them.
 """
 
 from __future__ import annotations
@@ -73,10 +72,10 @@ def _linear(x: torch.Tensor, weights: list[torch.Tensor], j: int) -> torch.Tenso
 def _triton_gemv(
     x: torch.Tensor, weights: list[torch.Tensor], copies: int, size: int, bandwidth: float
 ) -> dict[str, Any]:
-    """The engine's Triton kernel (engine/layers/triton_gemv.py) at the block config the engine picks,
-    and the best of the sweep, for M <= 8: how much `pick_config` leaves on the table."""
+    """The Triton candidate (triton_gemv.py) at the block config `pick_config` chooses and at the best
+    of the sweep, for M <= 8."""
     try:
-        from tandem.engine.layers.triton_gemv import MAX_M, SWEEP, gemv, m_pad, pick_config
+        from tandem.benchmarks.triton_gemv import MAX_M, SWEEP, gemv, m_pad, pick_config
     except ImportError as exc:
         return {"triton": f"failed: {exc}"}
     if x.shape[0] > MAX_M:

@@ -44,7 +44,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-piecewise": {"piecewise_cuda_graph": False},
     "no-copy-stream": {"copy_stream": False},
     "no-fused-kernels": {"fused_kernels": False},
-    "no-small-batch-gemm": {"small_batch_gemm": False},
     "all-off": {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False, "copy_stream": False},
 }
 

@@ -77,11 +77,6 @@ class EngineArgs(BaseModel):
     fused_kernels: bool | None = Field(
         default=None, description="flashinfer's fused RMS-norm and rope kernels instead of torch ops."
     )
-    small_batch_gemm: bool | None = Field(
-        default=None,
-        description="A Triton GEMM for weight products of at most 8 rows (decode at small batch); "
-        "off uses cuBLAS.",
-    )
     cuda_graph_max_bs: int | None = Field(
         default=None, ge=1, description="Largest decode batch captured as a CUDA graph."
     )

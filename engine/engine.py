@@ -15,7 +15,6 @@ from tandem.engine.distributed import TPGroup
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
-from tandem.engine.layers.linear import LinearFn
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
@@ -46,9 +45,7 @@ class Engine:
         mc = self.model_config
         kernels = FusedKernels(mc.max_position_embeddings) if config.fused_kernels else None
         with torch.device(config.device):
-            self.model: CausalLM = model_class(mc.architecture)(
-                mc, tp, config.dtype, config.device, kernels, self._gemm(config)
-            )
+            self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         self.capture_seconds = 0.0
@@ -87,14 +84,6 @@ class Engine:
                 device=config.device,
             )
             self._timed(self.decode_graphs.capture)
-
-    @staticmethod
-    def _gemm(config: EngineConfig) -> LinearFn:
-        if not config.small_batch_gemm:
-            return torch.nn.functional.linear
-        from tandem.engine.layers.triton_gemv import SmallBatchGemm  # Triton: CUDA hosts only
-
-        return SmallBatchGemm(config.device)
 
     def _timed(self, capture: Callable[[], None]) -> None:
         start = time.perf_counter()

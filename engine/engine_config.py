@@ -36,7 +36,6 @@ class EngineConfig:
     piecewise_cuda_graph: bool = False  # CUDA graphs of the pieces between attention calls (prefill)
     copy_stream: bool = True  # device-to-host result copies on their own stream
     fused_kernels: bool = False  # flashinfer's fused norm and rope kernels instead of torch ops
-    small_batch_gemm: bool = False  # the Triton GEMM for weight products of <= 8 rows (else cuBLAS)
     cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
     piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
     max_batch_size: int = 256
@@ -49,7 +48,6 @@ class EngineConfig:
             "piecewise_cuda_graph": self.piecewise_cuda_graph,
             "copy_stream": self.copy_stream,
             "fused_kernels": self.fused_kernels,
-            "small_batch_gemm": self.small_batch_gemm,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "piecewise_max_tokens": self.piecewise_max_tokens,
             "page_size": self.page_size,
@@ -81,15 +79,6 @@ def _flashinfer_importable() -> bool:
         importlib.import_module("flashinfer")
     except Exception as exc:  # an incomplete install fails with anything, not only ImportError
         warnings.warn(f"flashinfer is unavailable ({exc!r}); using the torch attention backend", stacklevel=3)
-        return False
-    return True
-
-
-def _triton_importable() -> bool:
-    try:
-        importlib.import_module("triton")
-    except Exception as exc:
-        warnings.warn(f"triton is unavailable ({exc!r}); small batches use cuBLAS", stacklevel=3)
         return False
     return True
 
@@ -132,7 +121,6 @@ def resolve_engine_config(
     piecewise_cuda_graph: bool = True,
     copy_stream: bool = True,
     fused_kernels: bool = True,
-    small_batch_gemm: bool = True,
     cuda_graph_max_bs: int = 256,
     piecewise_max_tokens: int = 2048,
     kv_tokens_cpu: int = 32768,
@@ -168,8 +156,6 @@ def resolve_engine_config(
         copy_stream=copy_stream and on_gpu,
         # Same condition as the backend: flashinfer imports and serves the head size.
         fused_kernels=fused_kernels and backend == "flashinfer",
-        # CUDA builds of torch bring Triton along; a CUDA host without it falls back to cuBLAS.
-        small_batch_gemm=small_batch_gemm and on_gpu and _triton_importable(),
         cuda_graph_max_bs=cuda_graph_max_bs,
         piecewise_max_tokens=piecewise_max_tokens,
     )

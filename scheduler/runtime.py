@@ -43,7 +43,6 @@ class RuntimeOptions:
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA), "flashinfer" or "torch"
     piecewise_cuda_graph: bool = True
     fused_kernels: bool = True  # flashinfer norm/rope kernels on CUDA (off: the torch reference ops)
-    small_batch_gemm: bool = True  # Triton GEMM for <= 8-row weight products on CUDA (off: cuBLAS)
     cuda_graph_max_bs: int = 256
     piecewise_max_tokens: int = 2048
 
@@ -95,7 +94,6 @@ class RankRuntime:
             piecewise_cuda_graph=options.piecewise_cuda_graph,
             copy_stream=options.copy_stream,
             fused_kernels=options.fused_kernels,
-            small_batch_gemm=options.small_batch_gemm,
             cuda_graph_max_bs=options.cuda_graph_max_bs,
             piecewise_max_tokens=options.piecewise_max_tokens,
         )

@@ -6,7 +6,7 @@ slice of each checkpoint tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +15,6 @@ from torch import nn
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.layers.source import TensorSource, check_shape
-
-# y = x w^T (+ b): F.linear, or a kernel that replaces it for some shapes (triton_gemv.SmallBatchGemm).
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -56,10 +53,8 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        gemm: LinearFn = F.linear,
     ) -> None:
         super().__init__()
-        self.gemm = gemm
         self.in_features = in_features
         self.shards = tuple(shards)
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
@@ -82,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         target.data[offset : offset + shard.size].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,10 +92,8 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
-        gemm: LinearFn = F.linear,
     ) -> None:
         super().__init__()
-        self.gemm = gemm
         self.tp = tp
         self.out_features = out_features
         self.in_start, self.in_size = tp.shard(in_features)
@@ -121,4 +114,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(self.gemm(x, self.weight, bias))
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

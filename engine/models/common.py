@@ -17,7 +17,6 @@ from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.linear import (
     ColumnParallelLinear,
-    LinearFn,
     RowParallelLinear,
     even_shard,
     head_shard,
@@ -62,11 +61,9 @@ class Build:
         dtype: torch.dtype,
         device: torch.device,
         kernels: FusedKernels | None = None,
-        gemm: LinearFn = F.linear,
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
-        self.gemm = gemm
 
     def norm(self, size: int) -> RMSNorm:
         cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
@@ -85,16 +82,9 @@ class Attention(nn.Module):
             bias=c.attention_bias,
             dtype=b.dtype,
             device=b.device,
-            gemm=b.gemm,
         )
         self.o_proj = RowParallelLinear(
-            c.num_heads * c.head_dim,
-            c.hidden_size,
-            tp,
-            bias=False,
-            dtype=b.dtype,
-            device=b.device,
-            gemm=b.gemm,
+            c.num_heads * c.head_dim, c.hidden_size, tp, bias=False, dtype=b.dtype, device=b.device
         )
         self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
         self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
@@ -131,16 +121,10 @@ class MLP(nn.Module):
         c = b.config
         shard = even_shard(c.intermediate_size, b.tp)
         self.gate_up_proj = ColumnParallelLinear(
-            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device, gemm=b.gemm
+            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device
         )
         self.down_proj = RowParallelLinear(
-            c.intermediate_size,
-            c.hidden_size,
-            b.tp,
-            bias=False,
-            dtype=b.dtype,
-            device=b.device,
-            gemm=b.gemm,
+            c.intermediate_size, c.hidden_size, b.tp, bias=False, dtype=b.dtype, device=b.device
         )
         self.gelu = c.hidden_act.startswith("gelu")
         self.kernels = b.kernels
@@ -254,11 +238,10 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: FusedKernels | None = None,
-        gemm: LinearFn = F.linear,
     ) -> None:
         super().__init__()
         self.config = config
-        b = Build(config, self.traits, tp, dtype, device, kernels, gemm)
+        b = Build(config, self.traits, tp, dtype, device, kernels)
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
 

@@ -167,7 +167,6 @@ def test_engine_switches_reach_the_runtime_options() -> None:
         "piecewise_cuda_graph": False,
         "copy_stream": False,
         "fused_kernels": False,
-        "small_batch_gemm": False,
         "cuda_graph_max_bs": 64,
         "piecewise_max_tokens": 1024,
     }

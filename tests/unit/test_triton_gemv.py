@@ -1,9 +1,8 @@
-"""The small-batch Triton GEMM (engine/layers/triton_gemv.py) against F.linear, in Triton's CPU
-interpreter: ragged and even block edges, the bias, the engine's block-config choice and the routing of
-`SmallBatchGemm` (Triton for <= 8 rows, F.linear above) inside a linear layer.
+"""The Triton small-batch GEMM candidate (benchmarks/triton_gemv.py) against F.linear, in Triton's CPU
+interpreter: ragged and even block edges, the bias, and the block-config choice.
 
 Triton is not a project dependency (CUDA builds of torch bring it along), so this skips where it is
-not installed, as in CI; tests/gpu/test_small_batch_gemm.py runs the same kernel on the GPU. The
+not installed, as in CI; kernel_choices.py checks the same kernel against F.linear on the GPU. The
 interpreter is chosen when a kernel is decorated and patches triton.language globally, so it runs in
 its own process.
 """
@@ -28,9 +27,7 @@ CASES = [
 SCRIPT = """
 import json, sys, torch
 import torch.nn.functional as F
-from tandem.engine.distributed import TPGroup
-from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, even_shard
-from tandem.engine.layers.triton_gemv import GemvConfig, SmallBatchGemm, gemv, m_pad, pick_config
+from tandem.benchmarks.triton_gemv import GemvConfig, gemv, m_pad, pick_config
 
 def err(a, b):
     return float((a - b).abs().max())
@@ -53,24 +50,11 @@ picks = [
 out["picks_fit"] = all(c.fits(m_pad(m)) and c.block_k <= max(k, 64) * 2 for m, n, k, c in picks)
 pow2 = [c.block_n & (c.block_n - 1) == 0 and c.block_k & (c.block_k - 1) == 0 for *_, c in picks]
 out["picks_pow2"] = all(pow2)
-# A linear layer routes through the kernel at <= 8 rows and through F.linear above.
-gemm = SmallBatchGemm(torch.device("cpu"), sm_count=2)
-tp = TPGroup()
-col = ColumnParallelLinear(40, [even_shard(24, tp), even_shard(8, tp)], bias=True, dtype=torch.float32,
-                           device=torch.device("cpu"), gemm=gemm)
-row = RowParallelLinear(32, 40, tp, bias=False, dtype=torch.float32, device=torch.device("cpu"), gemm=gemm)
-g = torch.Generator().manual_seed(7)
-for p in (col.weight, col.bias, row.weight):
-    p.data.copy_(torch.randn(p.shape, generator=g))
-small, large = torch.randn(6, 40, generator=g), torch.randn(12, 40, generator=g)
-out["layer_small"] = err(row(col(small)), F.linear(F.linear(small, col.weight, col.bias), row.weight))
-out["layer_large_exact"] = bool(torch.equal(col(large), F.linear(large, col.weight, col.bias)))
-out["configs_cached"] = sorted(str(key) for key in gemm._configs)
 print(json.dumps(out))
 """
 
 
-def test_matches_linear_and_routes_by_rows_in_the_interpreter() -> None:
+def test_matches_linear_with_bias_and_ragged_edges_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
@@ -85,7 +69,3 @@ def test_matches_linear_and_routes_by_rows_in_the_interpreter() -> None:
     assert len(out["cases"]) == len(CASES) and max(out["cases"]) < 1e-4, out["cases"]
     assert "M <= 8" in out["rejected"]
     assert out["picks_fit"] and out["picks_pow2"]
-    assert out["layer_small"] < 1e-3
-    assert out["layer_large_exact"]  # 12 rows: F.linear itself, bit for bit
-    # Only the two 6-row products went through the kernel (keys: padded rows, N, K).
-    assert out["configs_cached"] == ["(8, 32, 40)", "(8, 40, 32)"]

@@ -1,15 +1,16 @@
-"""A small-batch GEMM (M <= 8 rows) in Triton, for decode steps at batch 1-8.
+"""A small-batch GEMM (M <= 8 rows) in Triton: a candidate for the decode steps at batch 1-8 that lost.
 
-Why: at batch 1 a decode step is a chain of weight reads, and cuBLAS runs the q/k/v, o and down
-projections of Llama-3.1-8B at 57-85% of the copy bandwidth on an H200 (the o and down ones with a
-split-K and a separate reduction kernel; kernel-choices.json). Here each program owns BLOCK_N output
-features for every row and walks the whole K dimension, so each weight element is read once and no
-reduction kernel follows. With so few rows the product is a broadcast multiply and a sum over K on CUDA
-cores, accumulated in float32 and rounded once.
+Why it was tried: at batch 1 a decode step is a chain of weight reads, and cuBLAS runs the q/k/v, o and
+down projections of Llama-3.1-8B at 57-85% of the copy bandwidth on an H200. Here each program owns
+BLOCK_N output features for every row and walks the whole K dimension, so each weight element is read
+once and no split-K reduction follows; the product is a broadcast multiply and a sum over K on CUDA
+cores, in float32.
 
-The block config is a pure function of the shape and the GPU's SM count (`pick_config`), never timed at
-start-up, so the same weights give the same bits on every run. Correctness is checked on the CPU with
-Triton's interpreter (tests/unit/test_triton_gemv.py); the engine imports this only on CUDA.
+What the H200 said (kernel-choices-triton-gemv.json, every block config of `SWEEP`): slower than
+cuBLAS on every decode shape, at its best config 13.8 against 13.7 µs (o), 18.3 against 15.8 (q/k/v),
+37.2 against 32.6 (down) at batch 1, and 3-18x slower at batch 8, where the [M, BLOCK_N, BLOCK_K]
+product spills. So the engine keeps cuBLAS; this stays as the measured alternative.
+Correctness is checked on the CPU with Triton's interpreter (tests/unit/test_triton_gemv.py).
 """
 
 from __future__ import annotations
@@ -132,27 +133,7 @@ def gemv(
     return y
 
 
-class SmallBatchGemm:
-    """F.linear for the weight GEMMs of one model: the Triton kernel at M <= 8 rows, cuBLAS above."""
-
-    def __init__(self, device: torch.device, sm_count: int | None = None) -> None:
-        if sm_count is None:
-            sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        self.sm_count = sm_count
-        self._configs: dict[tuple[int, int, int], GemvConfig] = {}
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        m = x.shape[0]
-        if x.dim() != 2 or m > MAX_M or m == 0 or x.stride(1) != 1:
-            return torch.nn.functional.linear(x, w, bias)
-        key = (m_pad(m), w.shape[0], w.shape[1])
-        config = self._configs.get(key)
-        if config is None:
-            config = self._configs[key] = pick_config(m, w.shape[0], w.shape[1], self.sm_count)
-        return gemv(x, w, bias, config=config)
-
-
-# The block configs benchmarks/gemm_variants.py sweeps against `pick_config` (BLOCK_N, BLOCK_K, warps).
+# The block configs gemm_variants.py sweeps against `pick_config`'s choice.
 SWEEP = [
     GemvConfig(bn, bk, warps)
     for bn in (1, 2, 4, 8, 16, 32)
