@@ -40,7 +40,7 @@ case $PHASE in
     run window 200 python3 benchmarks/window.py --quick --out-dir "$OUT"
     tail -5 "$OUT/decode.log"; tail -5 "$OUT/window.log" ;;
   hf)
-    run hf-peer 560 python3 benchmarks/offline.py --ablations all-on --hf-peer --tag hf-peer --out-dir "$OUT"
+    run hf-peer 500 python3 benchmarks/offline.py --ablations all-on --hf-peer --tag hf-peer --out-dir "$OUT"
     tail -4 "$OUT/hf-peer.log" ;;
   profile)
     run prebuild 200 python3 benchmarks/prebuild_kernels.py
