@@ -2,8 +2,8 @@
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
-# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 5 (kernel builds beside
-# the GEMM sweep), offline 4, latency 6, profile 4, hf 5, serve 3.
+# About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
+# kernel_choices.py parts: PARTS, default qk_norm_rope), offline 4, latency 6, profile 4, hf 5, serve 3.
 set -uo pipefail
 PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
@@ -20,15 +20,14 @@ case $PHASE in
       --deselect tests/gpu/test_replica_serve_gpu.py
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/gpu-tests.log" | tail -15 ;;
   probe)
-    # The flashinfer builds run on the CPU while the GEMM sweep (cuBLAS against the Triton candidate)
-    # times the GPU.
+    # Kernel candidates against what the engine runs now, each alone in CUDA graphs: the fused q/k
+    # norm + rope (Triton) against flashinfer's three kernels. The flashinfer builds come first (a
+    # restored cache makes them a no-op). `--parts gemm --gemm-libs cublas,triton` redoes the GEMM sweep.
     python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
-    (timeout 300 python3 benchmarks/prebuild_kernels.py --softcap > "$OUT/prebuild.log" 2>&1
-     echo "== prebuild: exit $?" > "$OUT/prebuild.rc") &
-    run gemm-sweep 240 python3 benchmarks/kernel_choices.py --parts gemm --gemm-libs cublas,triton \
-      --gemm-batches 1,8 --out-dir "$OUT"
-    wait; cat "$OUT/prebuild.rc"
-    grep -A11 "^model" "$OUT/gemm-sweep.log" | cut -c1-200 | head -12 ;;
+    run prebuild 300 python3 benchmarks/prebuild_kernels.py --softcap
+    run kernel-choices 240 python3 benchmarks/kernel_choices.py --parts "${PARTS:-qk_norm_rope}" \
+      --gemm-libs cublas,triton --gemm-batches 1,8 --out-dir "$OUT"
+    grep -A8 "^model" "$OUT/kernel-choices.log" | cut -c1-200 | tail -24 ;;
   offline)
     run offline 420 python3 benchmarks/offline.py --out-dir "$OUT"
     run short-prefill 120 python3 benchmarks/offline.py --num-seqs 64 --min-input 128 --max-input 128 \

@@ -53,6 +53,7 @@ LLAMA = {
     "inter": 14336,
     "vocab": 128256,
 }
+GEMMA3_1B = {"name": "gemma-3-1b", "head_dim": 256, "heads": 4, "kv_heads": 1}
 QWEN = {
     "name": "qwen3-0.6b",
     "head_dim": HEAD_DIM,
@@ -214,6 +215,47 @@ def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -
     return [row]
 
 
+def qk_norm_rope_rows(shape: dict[str, Any], tokens: list[int], gemma: bool) -> list[dict[str, Any]]:
+    """Per-head q/k norms and rope: the engine's three flashinfer kernels against the fused Triton
+    candidate (triton_qk_norm_rope.py), on the merged q/k/v output of one layer."""
+    from tandem.benchmarks.triton_qk_norm_rope import qk_norm_rope
+    from tandem.engine.config import RopeConfig
+    from tandem.engine.layers.fused import FusedKernels
+    from tandem.engine.layers.rotary import inverse_frequencies
+
+    heads, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    kernels = FusedKernels(max_positions=8192)
+    table = kernels.cos_sin_table(RopeConfig(theta=1e6), inverse_frequencies(RopeConfig(theta=1e6), d).cuda())
+    qw = torch.randn(d, dtype=BF16, device="cuda") * 0.1 + 1
+    kw = torch.randn(d, dtype=BF16, device="cuda") * 0.1 + 1
+    rows = []
+    for t in tokens:
+        qkv = torch.randn(t, (heads + 2 * kvh) * d, dtype=BF16, device="cuda")
+        pos = torch.randint(0, 8000, (t,), device="cuda")
+
+        def chain(_: int, qkv: torch.Tensor = qkv, pos: torch.Tensor = pos) -> tuple[torch.Tensor, ...]:
+            q, k, _v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+            q = kernels.rmsnorm(q.view(-1, heads, d), qw, 1e-6, gemma=gemma)
+            k = kernels.rmsnorm(k.view(-1, kvh, d), kw, 1e-6, gemma=gemma)
+            return kernels.rope(pos, q, k, table)
+
+        def fused(_: int, qkv: torch.Tensor = qkv, pos: torch.Tensor = pos) -> tuple[torch.Tensor, ...]:
+            return qk_norm_rope(
+                qkv, pos, qw, kw, table, num_heads=heads, num_kv_heads=kvh, eps=1e-6, gemma=gemma
+            )
+
+        row: dict[str, Any] = {"part": "qk_norm_rope", "model": shape["name"], "tokens": t}
+        row["flashinfer_x3"] = round(graph_us(chain, 28), 2)
+        try:
+            want, got = chain(0), fused(0)
+            row["triton_fused"] = round(graph_us(fused, 28), 2)
+            row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(want, got))
+        except Exception as exc:
+            row["triton_fused"] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+        rows.append(row)
+    return rows
+
+
 def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
@@ -262,7 +304,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling")
+    parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling,qk_norm_rope")
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -307,6 +349,8 @@ def main() -> None:
         section("pdl", pdl_rows, LLAMA, bs)
     section("sampling", sampling_rows, 128256, [1, 64])
     section("sampling", sampling_rows, 151936, [256])
+    section("qk_norm_rope", qk_norm_rope_rows, QWEN, [1, 64, 256], False)
+    section("qk_norm_rope", qk_norm_rope_rows, GEMMA3_1B, [1, 8], True)
     path = write_result(
         "kernel-choices",
         {
@@ -318,7 +362,7 @@ def main() -> None:
         out_dir=args.out_dir,
     )
     print(f"\n{path}")
-    for part in ("attention", "kv_store", "gemm", "layer_chain_pdl", "sampling"):
+    for part in ("attention", "kv_store", "gemm", "layer_chain_pdl", "sampling", "qk_norm_rope"):
         group = [r for r in rows if r.get("part") == part]
         if group:
             print_table(

@@ -1,0 +1,119 @@
+"""A candidate fused kernel: per-head q and k RMS norms and the rotate-half rope in one launch.
+
+Why: on Qwen3 and Gemma 3 each layer runs three small flashinfer kernels between the q/k/v projection
+and attention (the q norm, the k norm, the rope), 6 µs each at batch 256 on an H200 and ~2-3 µs at
+batch 1, where the data they touch would take well under a microsecond to read
+(profile-qwen3-0.6b-h200.md). Here one program normalises and rotates a block of heads of one token,
+reading the merged projection output once and writing contiguous q and k, as the rope kernel does now.
+
+Numerics follow the flashinfer chain: each norm is computed in float32 and rounded once to the output
+dtype (the Gemma form scales by 1 + w), and the rope rotates those rounded values in float32 with the
+shared cos/sin table (`FusedKernels.cos_sin_table`: cos in the first half, sin in the second).
+
+A benchmark candidate (kernel_choices.py `--parts qk_norm_rope` times it against the flashinfer chain);
+the engine does not use it. Checked against the torch reference in Triton's CPU interpreter
+(tests/unit/test_triton_qk_norm_rope.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def qk_norm_rope_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    qkv_ptr,
+    pos_ptr,
+    qw_ptr,
+    kw_ptr,
+    table_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qkv,
+    stride_table,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads
+    half = tl.arange(0, D // 2)
+    valid = heads < HQ + HKV
+    is_q = heads < HQ
+    row = qkv_ptr + t * stride_qkv + heads[:, None] * D
+    x1 = tl.load(row + half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(row + D // 2 + half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
+    w2 = tl.where(
+        is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :], tl.load(kw_ptr + D // 2 + half)[None, :]
+    )
+    w1 = w1.to(tl.float32)
+    w2 = w2.to(tl.float32)
+    if GEMMA:
+        w1 = w1 + 1.0
+        w2 = w2 + 1.0
+    out_ty = q_out_ptr.dtype.element_ty
+    y1 = (x1 * rstd * w1).to(out_ty).to(tl.float32)  # the norm's one rounding
+    y2 = (x2 * rstd * w2).to(out_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(table_ptr + pos * stride_table + half)[None, :]
+    sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)[None, :]
+    o1 = (y1 * cos - y2 * sin).to(out_ty)
+    o2 = (y2 * cos + y1 * sin).to(out_ty)
+    q_row = q_out_ptr + t * HQ * D + tl.where(is_q, heads, 0)[:, None] * D
+    k_row = k_out_ptr + t * HKV * D + tl.where(is_q, 0, heads - HQ)[:, None] * D
+    q_mask = (valid & is_q)[:, None]
+    k_mask = (valid & ~is_q)[:, None]
+    tl.store(q_row + half[None, :], o1, mask=q_mask)
+    tl.store(q_row + D // 2 + half[None, :], o2, mask=q_mask)
+    tl.store(k_row + half[None, :], o1, mask=k_mask)
+    tl.store(k_row + D // 2 + half[None, :], o2, mask=k_mask)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    gemma: bool,
+    block_h: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) * D] (the merged projection; v is left alone) -> q [T, H, D], k [T, Hkv, D]."""
+    d = q_weight.shape[0]
+    tokens = qkv.shape[0]
+    if qkv.stride(1) != 1 or table.shape[1] != d or d % 2:
+        raise ValueError("qkv needs a contiguous last dim and the table one rotary width of head_dim")
+    q = torch.empty((tokens, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    launch: Any = qk_norm_rope_kernel[(tokens, triton.cdiv(num_heads + num_kv_heads, block_h))]
+    launch(
+        qkv,
+        positions,
+        q_weight,
+        k_weight,
+        table,
+        q,
+        k,
+        qkv.stride(0),
+        table.stride(0),
+        eps,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
+        BLOCK_H=block_h,
+        GEMMA=gemma,
+    )
+    return q, k

@@ -1,0 +1,59 @@
+"""The fused q/k norm + rope candidate (benchmarks/triton_qk_norm_rope.py) against the engine's torch
+reference modules (RMSNorm, GemmaRMSNorm, RotaryEmbedding), in float32 in Triton's CPU interpreter.
+
+Skips where Triton is not installed (CI); kernel_choices.py checks it against flashinfer on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# (tokens, q heads, kv heads, head_dim, gemma, block_h): Qwen3-like, a head count the block does not
+# divide, Gemma 3's one KV head.
+CASES = [(5, 4, 2, 16, False, 4), (3, 6, 1, 32, True, 4), (1, 3, 3, 8, False, 8)]
+SCRIPT = """
+import json, sys, torch
+from tandem.benchmarks.triton_qk_norm_rope import qk_norm_rope
+from tandem.engine.config import RopeConfig
+from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+
+errors = []
+for t, h, kvh, d, gemma, bh in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(t * 10 + h)
+    cls = GemmaRMSNorm if gemma else RMSNorm
+    q_norm, k_norm = (cls(d, 1e-6, dtype=torch.float32, device=torch.device("cpu")) for _ in range(2))
+    q_norm.weight.data.copy_(torch.randn(d, generator=g))
+    k_norm.weight.data.copy_(torch.randn(d, generator=g))
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), d, torch.device("cpu"))
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g) * 3
+    positions = torch.randint(0, 4000, (t,), generator=g)
+    q, k, _ = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    want_q, want_k = rotary(positions, q_norm(q.view(t, h, d)), k_norm(k.view(t, kvh, d)))
+    freqs = torch.arange(4096).float().unsqueeze(-1) * rotary.inv_freq.unsqueeze(0)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    got_q, got_k = qk_norm_rope(qkv, positions, q_norm.weight, k_norm.weight, table, num_heads=h,
+                                num_kv_heads=kvh, eps=1e-6, gemma=gemma, block_h=bh)
+    errors.append(max(float((got_q - want_q).abs().max()), float((got_k - want_k).abs().max())))
+print(json.dumps(errors))
+"""
+
+
+def test_matches_the_torch_norms_and_rope_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(errors) == len(CASES) and max(errors) < 1e-4, errors
