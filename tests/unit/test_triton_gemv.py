@@ -9,12 +9,8 @@ its own process.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
+from collections.abc import Callable
+from typing import Any
 
 # (m, n, k, block_n, block_k, bias): ragged N and K, an even case, one row, all eight rows.
 CASES = [
@@ -54,18 +50,10 @@ print(json.dumps(out))
 """
 
 
-def test_matches_linear_with_bias_and_ragged_edges_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+def test_matches_linear_with_bias_and_ragged_edges_in_the_interpreter(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    out = triton_interpreter(SCRIPT, CASES)
     assert len(out["cases"]) == len(CASES) and max(out["cases"]) < 1e-4, out["cases"]
     assert "M <= 8" in out["rejected"]
     assert out["picks_fit"] and out["picks_pow2"]

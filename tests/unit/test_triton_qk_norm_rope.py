@@ -6,12 +6,8 @@ Skips where Triton is not installed (CI); kernel_choices.py checks it against fl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
+from collections.abc import Callable
+from typing import Any
 
 # (tokens, q heads, kv heads, head_dim, gemma, block_h): Qwen3-like, a head count the block does not
 # divide, Gemma 3's one KV head.
@@ -44,16 +40,8 @@ print(json.dumps(errors))
 """
 
 
-def test_matches_the_torch_norms_and_rope_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
+def test_matches_the_torch_norms_and_rope_in_the_interpreter(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    errors = triton_interpreter(SCRIPT, CASES)
     assert len(errors) == len(CASES) and max(errors) < 1e-4, errors
