@@ -59,8 +59,15 @@ def main() -> None:
         args.model_dir or Path(f"/tmp/tandem-bench/llama-8b-{layers}l"), "llama", device=device, **shape
     )
     model_s = time.perf_counter() - start
+    # A fresh host spends minutes here (16 GB of random weights written, then loaded): say so.
+    print(f"model at {model_dir} in {model_s:.0f} s; building the engine", flush=True)
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
+    start = time.perf_counter()
     engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
+    print(
+        f"engine in {time.perf_counter() - start:.0f} s (graph capture {engine.capture_seconds:.0f} s)",
+        flush=True,
+    )
     cost = ModelCost.of(engine.model_config)
     bandwidth, rate = ceilings["copy_bandwidth_GBps"] * 1e9, ceilings["bf16_matmul_TFLOPs"] * 1e12
     graphs = engine.decode_graphs
