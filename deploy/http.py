@@ -7,7 +7,6 @@ with an `{"error": ...}` body, so the handlers below replace FastAPI's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -63,74 +62,17 @@ class ClosingStreamingResponse(StreamingResponse):
     When the client goes away, Starlette (or Serve cancelling the request) leaves the iterator
     suspended, and an unclosed generator would keep the request generating on the ranks until it
     finished. Closing it runs the `finally`s down the chain, which abort the request on the ranks.
-
-    Below ASGI spec 2.4 (uvicorn, so Serve's proxy and its direct ingress) the body streams in the
-    request's own task (`_stream_until_disconnect`); from 2.4, a disconnect surfaces as a failed send
-    and Starlette's own path is already direct.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if scope["type"] == "http" and _spec_version(scope) < (2, 4):
-                await self._stream_until_disconnect(receive, send)
-            else:
-                await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send)
         except TaskCancelledError:
             pass  # Serve's way of saying the client disconnected: nobody is left to answer
         finally:
             body = self.body_iterator
             if hasattr(body, "aclose"):
                 await body.aclose()
-
-    async def _stream_until_disconnect(self, receive: Receive, send: Send) -> None:
-        """Stream the body in this task while a watcher task waits for the client's disconnect.
-
-        Starlette does the same for servers below ASGI spec 2.4 (uvicorn says 2.3), but runs the body in
-        a task of its own inside an anyio task group: a task hop before the first chunk, plus anyio's
-        cancel-scope bookkeeping: 140 -> 97 us from the ASGI call to the first text chunk, measured in
-        process (docs/serve-config.md#serve-overhead). Here a disconnect cancels this task instead, and
-        the cancellation is absorbed (as Starlette absorbs it): nobody is left to answer.
-        """
-        task = asyncio.current_task()
-        assert task is not None
-        gone = streamed = False
-        failure: Exception | None = None
-
-        async def watch() -> None:
-            nonlocal gone, failure
-            try:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                gone = True
-            except Exception as exc:  # raised in the streaming task, as Starlette's task group would
-                failure = exc
-            if not streamed:  # a disconnect after the last chunk interrupts nothing
-                task.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await self.stream_response(send)
-            streamed = True
-        except asyncio.CancelledError:
-            if failure is not None:
-                raise failure from None
-            # Only our own cancel is absorbed: one from anyone else (Serve, a shutdown) goes on.
-            if not gone or _uncancel(task) > 0:
-                raise
-        finally:
-            watcher.cancel()
-        if self.background is not None:
-            await self.background()
-
-
-def _uncancel(task: asyncio.Task[Any]) -> int:
-    """Withdraw one cancel request; how many remain (Python 3.10 does not count them: none)."""
-    uncancel = getattr(task, "uncancel", None)
-    return int(uncancel()) if uncancel is not None else 0
-
-
-def _spec_version(scope: Scope) -> tuple[int, ...]:
-    return tuple(int(part) for part in str(scope.get("asgi", {}).get("spec_version", "2.0")).split("."))
 
 
 def _to_http(result: dict[str, Any] | AsyncGenerator[dict[str, Any], None]) -> Response:
