@@ -1,11 +1,17 @@
-"""Build flashinfer's attention kernels for the variants tandem uses, in one parallel ninja run.
+"""Build flashinfer's kernels for the variants tandem uses, all modules at once.
 
 flashinfer compiles each kernel variant on first use, one after another (tens of seconds to minutes
 each on an H200). tandem needs one module per (head_dim, sliding window, soft-cap) in bf16: the fa2
 paged prefill module, which also serves tensor-core decode (see FlashInferBackend), plus the norm,
-rope, activation and sampling modules of the fused kernels and the K/V append module. Building them
-together uses every core at once; `save_fi_cache DIR` (from .device/gpu-env.sh) then keeps them for
-the next host. Best effort: if this flashinfer's internals differ, the kernels still build lazily.
+rope, activation and sampling modules of the fused kernels and the K/V append module.
+
+Each module is built the way its first use builds it, by ninja in the module's own directory, with the
+modules in parallel threads. Not through flashinfer's `build_jit_specs`: that runs one ninja over all
+modules from their parent directory, so its build log lives there, and the first use, whose ninja
+finds no log entry in the module's directory, compiles the module again (seen on an H200: a 40 s norm
+rebuild after the prebuild, and a decode run that timed out in such rebuilds). Built this way, a second
+run and every first use are no-ops, also on a host that restored the cache (pack_fi_cache.py).
+Best effort: if this flashinfer's internals differ, the kernels still build lazily.
 
     python benchmarks/prebuild_kernels.py            # what tests/gpu and the benchmarks use
     python benchmarks/prebuild_kernels.py --softcap  # plus Gemma 2's soft-capped variants
@@ -14,8 +20,11 @@ the next host. Best effort: if this flashinfer's internals differ, the kernels s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -32,7 +41,6 @@ def main() -> int:
     args = parser.parse_args()
     variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
     try:
-        from flashinfer.jit import build_jit_specs
         from flashinfer.jit.activation import gen_act_and_mul_module
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
         from flashinfer.jit.norm import gen_norm_module
@@ -53,14 +61,28 @@ def main() -> int:
         specs += [gen_act_and_mul_module(name) for name in ("silu", "gelu_tanh")]
         # The K/V append (flashinfer backend) and the fused sampler's draw.
         specs += [gen_page_module(), gen_sampling_module()]
+        # Each module's ninja gets a share of the cores (nvcc jobs take GBs of memory each).
+        os.environ.setdefault("MAX_JOBS", str(max(2, (os.cpu_count() or 8) // 4)))
         start = time.perf_counter()
-        build_jit_specs(specs)
+        with ThreadPoolExecutor(len(specs)) as pool:
+            seconds = list(pool.map(_build, specs))
     except Exception as exc:  # the kernels will still build on first use
         print(f"prebuild skipped: {exc!r}", file=sys.stderr)
         return 0
     took = time.perf_counter() - start
-    print(f"built {len(specs)} flashinfer modules (attention {variants}, norm, rope, ...) in {took:.0f} s")
+    fresh = sum(1 for s in seconds if s < 2.0)
+    print(
+        f"built {len(specs)} flashinfer modules (attention {variants}, norm, rope, ...) in {took:.0f} s; "
+        f"{fresh} were already up to date"
+    )
     return 0
+
+
+def _build(spec: Any) -> float:
+    """One module by ninja in its own directory, as its first use would; seconds taken."""
+    start = time.perf_counter()
+    spec.build(need_lock=True)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
