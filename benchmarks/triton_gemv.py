@@ -8,7 +8,7 @@ cores, in float32.
 
 What the H200 said (kernel-choices-triton-gemv.json, every block config of `SWEEP`): slower than
 cuBLAS on every decode shape, at its best config 13.8 against 13.7 µs (o), 18.3 against 15.8 (q/k/v),
-37.2 against 32.6 (down) at batch 1, and 3-18x slower at batch 8, where the [M, BLOCK_N, BLOCK_K]
+37.2 against 32.6 (down) at batch 1, and 3-5x slower at batch 8, where the [M, BLOCK_N, BLOCK_K]
 product spills. So the engine keeps cuBLAS; this stays as the measured alternative.
 Correctness is checked on the CPU with Triton's interpreter (tests/unit/test_triton_gemv.py).
 """
