@@ -39,11 +39,10 @@ from tandem.benchmarks.common import (
 )
 from tandem.benchmarks.engine_steps import sampling
 from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
+from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
+from tandem.benchmarks.qk_norm_rope_variants import qk_norm_rope_rows
 from tandem.engine.sampler import Sampler
 
-PAGE = 16
-HEAD_DIM = 128
-BF16 = torch.bfloat16
 LLAMA = {
     "name": "llama-8b",
     "head_dim": HEAD_DIM,
@@ -63,28 +62,6 @@ QWEN = {
     "inter": 3072,
     "vocab": 151936,
 }
-
-
-class PagedCase:
-    """bs rows of ctx tokens each over disjoint random pages, one K/V cache per layer."""
-
-    def __init__(self, kv_heads: int, bs: int, ctx: int, layers: int) -> None:
-        per_row = -(-ctx // PAGE)
-        self.bs, self.ctx, self.kv_heads, self.layers = bs, ctx, kv_heads, layers
-        self.num_pages = bs * per_row
-        shape = (self.num_pages + 1, PAGE, kv_heads, HEAD_DIM)
-        self.caches = [
-            (torch.randn(shape, dtype=BF16, device="cuda"), torch.randn(shape, dtype=BF16, device="cuda"))
-            for _ in range(layers)
-        ]
-        self.indptr_cpu = (torch.arange(bs + 1, dtype=torch.int32) * per_row).pin_memory()
-        self.indices = torch.randperm(self.num_pages, dtype=torch.int32, device="cuda")
-        self.last_cpu = torch.full((bs,), ctx - (per_row - 1) * PAGE, dtype=torch.int32).pin_memory()
-        self.indptr = self.indptr_cpu.cuda()
-        self.last = self.last_cpu.cuda()
-
-    def kv_bytes(self) -> int:
-        return self.bs * self.ctx * self.kv_heads * HEAD_DIM * 2 * 2
 
 
 ATTENTION_VARIANTS: list[tuple[str, bool, dict[str, Any]]] = [
@@ -213,47 +190,6 @@ def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -
 
         row["pdl_on" if pdl else "pdl_off"] = round(graph_us(layer, layers * repeat), 2)
     return [row]
-
-
-def qk_norm_rope_rows(shape: dict[str, Any], tokens: list[int], gemma: bool) -> list[dict[str, Any]]:
-    """Per-head q/k norms and rope: the engine's three flashinfer kernels against the fused Triton
-    candidate (triton_qk_norm_rope.py), on the merged q/k/v output of one layer."""
-    from tandem.benchmarks.triton_qk_norm_rope import qk_norm_rope
-    from tandem.engine.config import RopeConfig
-    from tandem.engine.layers.fused import FusedKernels
-    from tandem.engine.layers.rotary import inverse_frequencies
-
-    heads, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    kernels = FusedKernels(max_positions=8192)
-    table = kernels.cos_sin_table(RopeConfig(theta=1e6), inverse_frequencies(RopeConfig(theta=1e6), d).cuda())
-    qw = torch.randn(d, dtype=BF16, device="cuda") * 0.1 + 1
-    kw = torch.randn(d, dtype=BF16, device="cuda") * 0.1 + 1
-    rows = []
-    for t in tokens:
-        qkv = torch.randn(t, (heads + 2 * kvh) * d, dtype=BF16, device="cuda")
-        pos = torch.randint(0, 8000, (t,), device="cuda")
-
-        def chain(_: int, qkv: torch.Tensor = qkv, pos: torch.Tensor = pos) -> tuple[torch.Tensor, ...]:
-            q, k, _v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
-            q = kernels.rmsnorm(q.view(-1, heads, d), qw, 1e-6, gemma=gemma)
-            k = kernels.rmsnorm(k.view(-1, kvh, d), kw, 1e-6, gemma=gemma)
-            return kernels.rope(pos, q, k, table)
-
-        def fused(_: int, qkv: torch.Tensor = qkv, pos: torch.Tensor = pos) -> tuple[torch.Tensor, ...]:
-            return qk_norm_rope(
-                qkv, pos, qw, kw, table, num_heads=heads, num_kv_heads=kvh, eps=1e-6, gemma=gemma
-            )
-
-        row: dict[str, Any] = {"part": "qk_norm_rope", "model": shape["name"], "tokens": t}
-        row["flashinfer_x3"] = round(graph_us(chain, 28), 2)
-        try:
-            want, got = chain(0), fused(0)
-            row["triton_fused"] = round(graph_us(fused, 28), 2)
-            row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(want, got))
-        except Exception as exc:
-            row["triton_fused"] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-        rows.append(row)
-    return rows
 
 
 def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:

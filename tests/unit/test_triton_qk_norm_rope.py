@@ -1,5 +1,6 @@
 """The fused q/k norm + rope candidate (benchmarks/triton_qk_norm_rope.py) against the engine's torch
-reference modules (RMSNorm, GemmaRMSNorm, RotaryEmbedding), in float32 in Triton's CPU interpreter.
+reference modules (RMSNorm, GemmaRMSNorm, RotaryEmbedding), in float32 in Triton's CPU interpreter:
+with k returned, and with k and v written into a paged cache at each token's slot.
 
 Skips where Triton is not installed (CI); kernel_choices.py checks it against flashinfer on the GPU.
 """
@@ -19,7 +20,7 @@ from tandem.engine.config import RopeConfig
 from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 
-errors = []
+errors, append = [], []
 for t, h, kvh, d, gemma, bh in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(t * 10 + h)
     cls = GemmaRMSNorm if gemma else RMSNorm
@@ -36,12 +37,30 @@ for t, h, kvh, d, gemma, bh in json.loads(sys.argv[1]):
     got_q, got_k = qk_norm_rope(qkv, positions, q_norm.weight, k_norm.weight, table, num_heads=h,
                                 num_kv_heads=kvh, eps=1e-6, gemma=gemma, block_h=bh)
     errors.append(max(float((got_q - want_q).abs().max()), float((got_k - want_k).abs().max())))
-print(json.dumps(errors))
+    # The append form: k and v land at the tokens' slots of a paged cache; the other slots stay.
+    slots = torch.randperm(4 * t, generator=g)[:t]
+    k_cache, v_cache = torch.zeros(4 * t, kvh, d), torch.zeros(4 * t, kvh, d)
+    got_q, _ = qk_norm_rope(qkv, positions, q_norm.weight, k_norm.weight, table, num_heads=h,
+                            num_kv_heads=kvh, eps=1e-6, gemma=gemma, block_h=bh,
+                            kv_cache=(k_cache, v_cache, slots))
+    others = torch.ones(4 * t, dtype=torch.bool)
+    others[slots] = False
+    append.append({
+        "q": float((got_q - want_q).abs().max()),
+        "k": float((k_cache[slots] - want_k).abs().max()),
+        "v_exact": bool(torch.equal(v_cache[slots], qkv[:, (h + kvh) * d:].reshape(t, kvh, d))),
+        "others_untouched": bool(k_cache[others].eq(0).all() and v_cache[others].eq(0).all()),
+    })
+print(json.dumps([errors, append]))
 """
 
 
 def test_matches_the_torch_norms_and_rope_in_the_interpreter(
     triton_interpreter: Callable[[str, object], Any],
 ) -> None:
-    errors = triton_interpreter(SCRIPT, CASES)
+    errors, append = triton_interpreter(SCRIPT, CASES)
     assert len(errors) == len(CASES) and max(errors) < 1e-4, errors
+    assert len(append) == len(CASES)
+    for case in append:
+        assert case["q"] < 1e-4 and case["k"] < 1e-4, case
+        assert case["v_exact"] and case["others_untouched"], case
