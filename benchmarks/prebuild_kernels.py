@@ -61,8 +61,10 @@ def main() -> int:
         specs += [gen_act_and_mul_module(name) for name in ("silu", "gelu_tanh")]
         # The K/V append (flashinfer backend) and the fused sampler's draw.
         specs += [gen_page_module(), gen_sampling_module()]
-        # Each module's ninja gets a share of the cores (nvcc jobs take GBs of memory each).
-        os.environ.setdefault("MAX_JOBS", str(max(2, (os.cpu_count() or 8) // 4)))
+        # Each module's ninja gets a share of twice the cores: the small modules finish early, and
+        # nvcc jobs take GBs of memory each, so all modules at full width could exhaust it.
+        share = -(-2 * (os.cpu_count() or 8) // len(specs))
+        os.environ.setdefault("MAX_JOBS", str(max(2, share)))
         start = time.perf_counter()
         with ThreadPoolExecutor(len(specs)) as pool:
             seconds = list(pool.map(_build, specs))
