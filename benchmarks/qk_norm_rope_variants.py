@@ -1,6 +1,6 @@
 """The per-head q/k norms and rope of a Qwen3 or Gemma 3 layer (kernel_choices.py's qk_norm_rope part):
 flashinfer's three kernels, which the engine runs, against the fused Triton candidate
-(triton_qk_norm_rope.py), and with the K/V append as a fourth kernel against the candidate writing the
+(engine/layers/qk_norm_rope.py), and with the K/V append as a fourth kernel against the candidate writing the
 paged cache itself. Each alone in CUDA graphs, 28 calls per replay (one per Qwen3-0.6B layer).
 """
 
@@ -17,11 +17,11 @@ from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 
 def qk_norm_rope_rows(shape: dict[str, Any], tokens: list[int], gemma: bool) -> list[dict[str, Any]]:
     """Per-head q/k norms and rope: the engine's three flashinfer kernels against the fused Triton
-    candidate (triton_qk_norm_rope.py), on the merged q/k/v output of one layer; for head_dim 128 also
+    candidate (engine/layers/qk_norm_rope.py), on the merged q/k/v output of one layer; for head_dim 128 also
     with the K/V append (flashinfer's fourth kernel) against the candidate writing the cache itself."""
-    from tandem.benchmarks.triton_qk_norm_rope import qk_norm_rope
     from tandem.engine.config import RopeConfig
     from tandem.engine.layers.fused import FusedKernels
+    from tandem.engine.layers.qk_norm_rope import qk_norm_rope
     from tandem.engine.layers.rotary import inverse_frequencies
 
     heads, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]

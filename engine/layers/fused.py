@@ -30,6 +30,7 @@ class FusedKernels:
         self._rope: Any = flashinfer.rope
         self._activation: Any = flashinfer.activation
         self._sampling: Any = flashinfer.sampling
+        self._qk_norm_rope: Any = _triton_qk_norm_rope()
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -66,6 +67,39 @@ class FusedKernels:
         tokens = self._sampling.sampling_from_logits(scaled, generator=generator)
         return tokens.to(torch.int64)  # type: ignore[no-any-return]
 
+    @property
+    def has_qk_norm_rope(self) -> bool:
+        """Whether the one-launch q/k norm + rope (Triton, which CUDA builds of torch bring) is here."""
+        return self._qk_norm_rope is not None
+
+    def qk_norm_rope(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        gemma: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-head q and k norms, then rope, in one launch: qkv [T, (H + 2 Hkv) * D], the merged
+        projection output, gives contiguous q [T, H, D] and k [T, Hkv, D] (qk_norm_rope.py). In place of
+        `rmsnorm` twice and `rope`, with the same float32 math and roundings."""
+        return self._qk_norm_rope(  # type: ignore[no-any-return]
+            qkv,
+            positions,
+            q_weight,
+            k_weight,
+            table,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            eps=eps,
+            gemma=gemma,
+        )
+
     def cos_sin_table(self, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
         """float32 [max_positions, rotary_dim]: cos in the first half, sin in the second.
 
@@ -93,3 +127,12 @@ class FusedKernels:
             positions, q, k, q.shape[-1], table, is_neox=True
         )
         return q_out.view(q.shape), k_out.view(k.shape)
+
+
+def _triton_qk_norm_rope() -> Any:
+    """The fused q/k norm + rope, or None where Triton is missing (the three flashinfer kernels then)."""
+    try:
+        from tandem.engine.layers.qk_norm_rope import qk_norm_rope
+    except ImportError:
+        return None
+    return qk_norm_rope

@@ -101,14 +101,40 @@ class Attention(nn.Module):
             window=window,
             softcap=c.attn_softcap,
         )
+        # On CUDA, both per-head norms and the rope in one launch when the rope covers the whole head.
+        table = self.rotary.table
+        self.fused_qk = (
+            b.kernels is not None
+            and b.kernels.has_qk_norm_rope
+            and c.qk_norm
+            and table is not None
+            and table.shape[-1] == c.head_dim
+        )
+        self.kernels = b.kernels
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> QKV:
         """Everything before the attention kernel: projection, per-head norms and rope."""
         s = self.spec
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        merged = self.qkv_proj(x)
+        q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.fused_qk:
+            assert self.kernels is not None and self.q_norm is not None and self.k_norm is not None
+            assert self.rotary.table is not None
+            q, k = self.kernels.qk_norm_rope(
+                merged,
+                positions,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.rotary.table,
+                num_heads=s.num_heads,
+                num_kv_heads=s.num_kv_heads,
+                eps=self.q_norm.eps,
+                gemma=self.q_norm.gemma,
+            )
+            return q, k, v
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

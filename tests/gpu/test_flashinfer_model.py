@@ -95,6 +95,10 @@ def test_logits_agree_across_backends_and_graphs(
     # The reference runs torch norms and rope too; the flashinfer engines run the fused kernels.
     assert not ref.config.fused_kernels
     assert engines["flashinfer"].config.fused_kernels and graphs.config.fused_kernels
+    # Qwen3 and Gemma 3 run their q/k norms and rope as one Triton launch there; Gemma 2 has no q/k norms.
+    for name in ("flashinfer", "graphs"):
+        fused_qk = {layer.self_attn.fused_qk for layer in engines[name].model.model.layers}
+        assert fused_qk == {ref.model_config.qk_norm}, name
     used = {"decode graph": 0, "piecewise": 0}
     for i, spans in enumerate(STEPS):
         n = len(spans)

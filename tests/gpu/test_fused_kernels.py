@@ -137,3 +137,49 @@ def test_fused_draw_follows_the_softmax(kernels: FusedKernels) -> None:
     want = torch.softmax(logits[0] / temperature, dim=-1)
     # ~16k draws: the standard error of each frequency is below 0.004.
     torch.testing.assert_close(freq, want, atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "cls"),
+    [(16, 8, RMSNorm), (4, 1, GemmaRMSNorm), (5, 3, RMSNorm)],
+    ids=["qwen3", "gemma3", "heads-not-a-block-multiple"],
+)
+def test_qk_norm_rope_in_one_launch(
+    kernels: FusedKernels, heads: int, kv_heads: int, cls: type[RMSNorm]
+) -> None:
+    """The Triton q/k norm + rope (qk_norm_rope.py) against the torch reference and flashinfer's three
+    kernels it replaces, on the merged projection output, at positions across the table."""
+    assert kernels.has_qk_norm_rope  # CUDA builds of torch bring Triton
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    rope = RopeConfig(theta=1e6)
+    q_ref, k_ref = (cls(128, 1e-6, dtype=BF16, device=DEVICE) for _ in range(2))
+    q_fused, k_fused = (cls(128, 1e-6, dtype=BF16, device=DEVICE, kernels=kernels) for _ in range(2))
+    for ref, fused in ((q_ref, q_fused), (k_ref, k_fused)):
+        weight = (torch.randn(128, generator=g, device=DEVICE) * 0.2).to(BF16)
+        ref.weight.data.copy_(weight)
+        fused.weight.data.copy_(weight)
+    rotary_ref, rotary = RotaryEmbedding(rope, 128, DEVICE), RotaryEmbedding(rope, 128, DEVICE, kernels)
+    assert rotary.table is not None
+    positions = torch.tensor([0, 1, 17, 500, 4095, 8191, 3, 3], device=DEVICE)
+    qkv = (torch.randn(8, (heads + 2 * kv_heads) * 128, generator=g, device=DEVICE) * 3).to(BF16)
+    q, k, _ = qkv.split([heads * 128, kv_heads * 128, kv_heads * 128], dim=-1)
+    q, k = q.view(-1, heads, 128), k.view(-1, kv_heads, 128)
+    got_q, got_k = kernels.qk_norm_rope(
+        qkv,
+        positions,
+        q_fused.weight,
+        k_fused.weight,
+        rotary.table,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        eps=1e-6,
+        gemma=cls.gemma,
+    )
+    assert got_q.shape == (8, heads, 128) and got_k.shape == (8, kv_heads, 128)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    want_q, want_k = rotary_ref(positions, q_ref(q), k_ref(k))
+    close(got_q, want_q)
+    close(got_k, want_k)
+    chain_q, chain_k = rotary(positions, q_fused(q), k_fused(k))
+    close(got_q, chain_q)
+    close(got_k, chain_k)

@@ -1,4 +1,4 @@
-"""The fused q/k norm + rope candidate (benchmarks/triton_qk_norm_rope.py) against the engine's torch
+"""The fused q/k norm + rope candidate (engine/layers/qk_norm_rope.py) against the engine's torch
 reference modules (RMSNorm, GemmaRMSNorm, RotaryEmbedding), in float32 in Triton's CPU interpreter:
 with k returned, and with k and v written into a paged cache at each token's slot.
 
@@ -15,7 +15,7 @@ from typing import Any
 CASES = [(5, 4, 2, 16, False, 4), (3, 6, 1, 32, True, 4), (1, 3, 3, 8, False, 8)]
 SCRIPT = """
 import json, sys, torch
-from tandem.benchmarks.triton_qk_norm_rope import qk_norm_rope
+from tandem.engine.layers.qk_norm_rope import qk_norm_rope
 from tandem.engine.config import RopeConfig
 from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding

@@ -1,21 +1,26 @@
-"""A candidate fused kernel: per-head q and k RMS norms and the rotate-half rope in one launch, and
-optionally the K/V store into the paged cache as well.
+"""Per-head q and k RMS norms and the rotate-half rope in one Triton launch, and optionally the K/V
+store into the paged cache as well.
 
-Why: on Qwen3 and Gemma 3 each layer runs three small flashinfer kernels between the q/k/v projection
-and attention (the q norm, the k norm, the rope), 6 µs each at batch 256 on an H200 and ~2-3 µs at
-batch 1, where the data they touch would take well under a microsecond to read
-(profile-qwen3-0.6b-h200.md). Here one program normalises and rotates a block of heads of one token,
-reading the merged projection output once and writing contiguous q and k, as the rope kernel does now.
+Why: on Qwen3 and Gemma 3 each layer would otherwise run three small flashinfer kernels between the
+q/k/v projection and attention (the q norm, the k norm, the rope), 6 us each at batch 256 on an H200
+and ~2 us at batch 1, where the data they touch takes well under a microsecond to read. Here one
+program normalises and rotates a block of heads of one token, reading the merged projection output once
+and writing contiguous q and k, as the rope kernel did. Measured alone in CUDA graphs on an H200
+(benchmarks/results/kernel-choices-qk-norm-rope.json): 2.2 us against 7.8 us for the three kernels at
+256 tokens, 1.5 against 5.2 at one token. `FusedKernels.qk_norm_rope` runs it on CUDA.
+
 With `kv_cache` it writes the rotated k and the untouched v straight into the paged cache at each
-token's slot instead, taking the place of the append kernel too (4.7 µs at batch 256).
+token's slot instead, taking the place of the append kernel too (2.6 against 10.1 us with flashinfer's
+append at 256 tokens). The engine does not use that form yet: the append coordinates are planned by
+the attention backend.
 
 Numerics follow the flashinfer chain: each norm is computed in float32 and rounded once to the output
 dtype (the Gemma form scales by 1 + w), and the rope rotates those rounded values in float32 with the
-shared cos/sin table (`FusedKernels.cos_sin_table`: cos in the first half, sin in the second).
+shared cos/sin table (`FusedKernels.cos_sin_table`: cos in the first half, sin in the second). Checked
+against the torch reference in Triton's CPU interpreter (tests/unit/test_triton_qk_norm_rope.py) and
+on the GPU (tests/gpu/test_fused_kernels.py).
 
-A benchmark candidate (kernel_choices.py `--parts qk_norm_rope` times it against the flashinfer chain);
-the engine does not use it. Checked against the torch reference in Triton's CPU interpreter
-(tests/unit/test_triton_qk_norm_rope.py).
+Triton ships with CUDA builds of torch; this module is imported only on CUDA, never on CPU.
 """
 
 from __future__ import annotations
