@@ -3,7 +3,7 @@
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
 # About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
-# kernel_choices.py parts: PARTS, default qk_norm_rope), offline 4, latency 6, profile 4, hf 5, serve 3.
+# kernel_choices.py parts: PARTS, default qk_norm_rope), offline 4, latency 6, profile 4, hf 5, serve 5.
 set -uo pipefail
 PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
@@ -46,12 +46,14 @@ case $PHASE in
     run decode-profile 300 python3 benchmarks/decode_profile.py --steps 30 --out-dir "$OUT"
     tail -8 "$OUT/decode-profile.log" ;;
   serve)
-    # A private Ray without the dashboard; the in-process side first, then the app (one GPU).
-    for mode in haproxy proxy; do
-      run "serve-$mode" 150 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \
-        --num-cpus 16 --tag "h200-tiny-$mode" --results-dir "$OUT"
+    # A private Ray without the dashboard; HTTP and in-process requests alternate, both engines on the
+    # one GPU (online_local_overhead.py --gpu-share). HAProxy twice (the figure is noisy), Serve's proxy once.
+    for run in haproxy-r1 haproxy-r2 proxy-r1; do
+      mode=${run%-*}
+      run "serve-$run" 200 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \
+        --num-cpus 16 --tag "h200-tiny-$run" --results-dir "$OUT"
       ray stop --force >/dev/null 2>&1
-      grep -h "serve overhead\|probes" "$OUT/serve-$mode.log"
+      grep -h "serve overhead\|probes" "$OUT/serve-$run.log"
     done ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac

@@ -88,9 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         "--order",
         choices=["pairs", "sides"],
         default=None,
-        help="pairs: HTTP and in-process requests alternate (default on cpu). sides: the in-process side "
-        "runs first, on its own, and the app is deployed after it (default on cuda: one GPU holds one "
-        "engine at a time, and Ray will not place a second rank on it).",
+        help="pairs (default): HTTP and in-process requests alternate, so drift on the host hits both "
+        "sides alike; on cuda both engines share the one GPU (see --gpu-share). sides: the in-process "
+        "side runs first, on its own, and the app is deployed after it.",
+    )
+    p.add_argument(
+        "--gpu-share",
+        type=float,
+        default=0.3,
+        help="With --device cuda and pairs: each engine's mem_fraction. Ray is told of two GPUs and leaves "
+        "CUDA_VISIBLE_DEVICES alone, so both ranks land on device 0.",
     )
     args = p.parse_args(argv)
 
@@ -102,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for key, value in ray_environment(args.ingress).items():  # as `tandem serve` does
         os.environ.setdefault(key, value)
+    order = args.order or "pairs"
+    share_gpu = args.device == "cuda" and order == "pairs"
+    engine: dict[str, Any] = {"mem_fraction": args.gpu_share} if share_gpu else {}
+    num_gpus = None
+    if share_gpu:
+        # One physical GPU holds both engines (a tiny model each): Ray counts two and sets no
+        # CUDA_VISIBLE_DEVICES, so each rank's "cuda" is device 0.
+        os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        num_gpus = 2
     overhead_args = online.build_parser().parse_args(
         [
             "--base-url",
@@ -111,17 +127,20 @@ def main(argv: list[str] | None = None) -> int:
             "--serve-overhead",
             "--overhead-device",
             args.device,
+            "--overhead-engine",
+            json.dumps(engine),
         ]
         + ["--overhead-requests", str(args.requests)]
     )
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     try:
         local = None
-        if (args.order or ("sides" if args.device == "cuda" else "pairs")) == "sides":
+        if order == "sides":
             local = asyncio.run(serve_overhead.measure_inprocess(overhead_args))
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"served_model_name": MODEL, "device": args.device}), name=APP, route_prefix="/")
+        app_args = {"served_model_name": MODEL, "device": args.device, "engine": engine}
+        serve.run(build_app(app_args), name=APP, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         probes = asyncio.run(_probes(base_url, args.requests))
         print(f"probes: {probes}", flush=True)
@@ -147,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--serve-overhead",
                     "--overhead-device",
                     args.device,
+                    "--overhead-engine",
+                    json.dumps(engine),
                 ]
                 + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
                 + ["--results-dir", str(args.results_dir)]
@@ -159,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     result["serve_overhead"]["probes"] = probes
     result["machine"] = {"cpus": os.cpu_count(), "note": "client, proxy, replica and rank share the host"}
     result["ingress"] = args.ingress
+    result["gpu_shared_by_both_engines"] = share_gpu
     path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
