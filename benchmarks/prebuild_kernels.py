@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -81,8 +82,24 @@ def main() -> int:
 
 
 def _build(spec: Any) -> float:
-    """One module by ninja in its own directory, as its first use would; seconds taken."""
+    """One module by ninja in its own directory, as its first use would; seconds taken.
+
+    A cache restored by pack_fi_cache.py holds empty object files. Should ninja want to redo any step
+    of a module (a regenerated source, say), relinking the .so from those empty objects would give a
+    library without its functions, so every empty object of that module is removed first and the
+    whole module compiles again."""
     start = time.perf_counter()
+    spec.write_ninja()
+    dry = subprocess.run(
+        ["ninja", "-n", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "no work to do" not in dry.stdout:
+        for obj in spec.build_dir.glob("*.o"):
+            if obj.stat().st_size == 0:
+                obj.unlink()
     spec.build(need_lock=True)
     return time.perf_counter() - start
 
