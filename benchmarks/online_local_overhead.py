@@ -89,15 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=["pairs", "sides"],
         default=None,
         help="pairs (default): HTTP and in-process requests alternate, so drift on the host hits both "
-        "sides alike; on cuda both engines share the one GPU (see --gpu-share). sides: the in-process "
+        "sides alike; on cuda both engines share the one GPU (see --gpu-pages). sides: the in-process "
         "side runs first, on its own, and the app is deployed after it.",
     )
     p.add_argument(
-        "--gpu-share",
-        type=float,
-        default=0.3,
-        help="With --device cuda and pairs: each engine's mem_fraction. Ray is told of two GPUs and leaves "
-        "CUDA_VISIBLE_DEVICES alone, so both ranks land on device 0.",
+        "--gpu-pages",
+        type=int,
+        default=4096,
+        help="With --device cuda and pairs: each engine's KV pages (a fixed pool, since mem_fraction counts "
+        "the other engine's memory as used). Ray is told of two GPUs and leaves CUDA_VISIBLE_DEVICES "
+        "alone, so both ranks land on device 0.",
     )
     args = p.parse_args(argv)
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     order = args.order or "pairs"
     share_gpu = args.device == "cuda" and order == "pairs"
-    engine: dict[str, Any] = {"mem_fraction": args.gpu_share} if share_gpu else {}
+    engine: dict[str, Any] = {"num_pages": args.gpu_pages} if share_gpu else {}
     num_gpus = None
     if share_gpu:
         # One physical GPU holds both engines (a tiny model each): Ray counts two and sets no
