@@ -89,16 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=["pairs", "sides"],
         default=None,
         help="pairs (default): HTTP and in-process requests alternate, so drift on the host hits both "
-        "sides alike; on cuda both engines share the one GPU (see --gpu-pages). sides: the in-process "
+        "sides alike; on cuda both engines share the one GPU (see --gpu-share). sides: the in-process "
         "side runs first, on its own, and the app is deployed after it.",
     )
     p.add_argument(
-        "--gpu-pages",
-        type=int,
-        default=4096,
-        help="With --device cuda and pairs: each engine's KV pages (a fixed pool, since mem_fraction counts "
-        "the other engine's memory as used). Ray is told of two GPUs and leaves CUDA_VISIBLE_DEVICES "
-        "alone, so both ranks land on device 0.",
+        "--gpu-share",
+        type=float,
+        default=0.3,
+        help="With --device cuda and pairs: the GPU memory share of each engine. mem_fraction caps all the "
+        "device's use, so the app (deployed first) gets this and the in-process engine twice this. Ray "
+        "is told of two GPUs and leaves CUDA_VISIBLE_DEVICES alone, so both ranks land on device 0.",
     )
     args = p.parse_args(argv)
 
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     order = args.order or "pairs"
     share_gpu = args.device == "cuda" and order == "pairs"
-    engine: dict[str, Any] = {"num_pages": args.gpu_pages} if share_gpu else {}
+    engine: dict[str, Any] = {"mem_fraction": args.gpu_share} if share_gpu else {}
+    local_engine = {"mem_fraction": 2 * args.gpu_share} if share_gpu else {}
     num_gpus = None
     if share_gpu:
         # One physical GPU holds both engines (a tiny model each): Ray counts two and sets no
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "--overhead-device",
             args.device,
             "--overhead-engine",
-            json.dumps(engine),
+            json.dumps(local_engine),
         ]
         + ["--overhead-requests", str(args.requests)]
     )
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--overhead-device",
                     args.device,
                     "--overhead-engine",
-                    json.dumps(engine),
+                    json.dumps(local_engine),
                 ]
                 + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
                 + ["--results-dir", str(args.results_dir)]
