@@ -1,7 +1,8 @@
 """Offline throughput: a fixed batch of random requests through `tandem.LLM`, with ablations.
 
-The workload (ARCHITECTURE section 4's benchmark): 256 sequences, prompt lengths U(100, 1024) of random
-ids in [0, 10000), output lengths U(100, 1024), random.seed(0), ignore_eos, temperature 0.6, on a
+The workload (ARCHITECTURE section 4's benchmark; nano-vllm's bench.py, draw for draw): 256 sequences,
+prompt lengths U(100, 1024) of random ids up to 10000, output lengths U(100, 1024) (133,966 tokens),
+random.seed(0), ignore_eos, temperature 0.6, on a
 Qwen3-0.6B-shaped model with random bf16 weights. Reported: output tokens/s per switch setting, and
 the roofline floor from this run's own measured copy bandwidth and matmul rate:
 
@@ -49,13 +50,22 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py draws, in its order: every prompt first, then every output length (133,966
+    output tokens at the defaults). Its ids come from randint(0, 10000), which includes 10000 (12 of the
+    142,827 prompt ids); the same call keeps the stream, and so the lengths, the same. Drawing each
+    sequence's output length right after its prompt, with ids up to 9999, as this did before
+    2026-11-29, gave other lengths from the same distributions: 137,723 output tokens."""
     random.seed(0)
-    prompts, params = [], []
-    for _ in range(args.num_seqs):
-        prompt_len = random.randint(args.min_input, args.max_input)
-        prompts.append([random.randint(0, 9999) for _ in range(prompt_len)])
-        out_len = random.randint(args.min_output, args.max_output)
-        params.append(SamplingParams(max_tokens=out_len, temperature=0.6, ignore_eos=True))
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(args.min_input, args.max_input))]
+        for _ in range(args.num_seqs)
+    ]
+    params = [
+        SamplingParams(
+            max_tokens=random.randint(args.min_output, args.max_output), temperature=0.6, ignore_eos=True
+        )
+        for _ in range(args.num_seqs)
+    ]
     return prompts, params
 
 

@@ -1,0 +1,22 @@
+"""The offline benchmark's workload is nano-vllm's bench.py workload, draw for draw: after random.seed(0),
+256 prompts of U(100, 1024) ids from randint(0, 10000), then 256 output lengths U(100, 1024)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from tandem.benchmarks.offline import workload
+
+
+def test_the_draws_follow_nano_vllm() -> None:
+    args = argparse.Namespace(num_seqs=256, min_input=100, max_input=1024, min_output=100, max_output=1024)
+    prompts, params = workload(args)
+    # nano-vllm's bench.py, inline: every prompt first, then every output length.
+    random.seed(0)
+    want_prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    want_outputs = [random.randint(100, 1024) for _ in range(256)]
+    assert prompts == want_prompts
+    assert [p.max_tokens for p in params] == want_outputs
+    assert sum(want_outputs) == 133_966  # the figure the benchmark is specified with
+    assert all(p.temperature == 0.6 and p.ignore_eos for p in params)
