@@ -3,7 +3,7 @@
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
 # About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
-# kernel_choices.py parts: PARTS, default qk_norm_rope), offline 4, latency 6, profile 4, hf 5, serve 5.
+# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5.
 set -uo pipefail
 PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
@@ -20,12 +20,13 @@ case $PHASE in
       --deselect tests/gpu/test_replica_serve_gpu.py
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/gpu-tests.log" | tail -15 ;;
   probe)
-    # Kernel candidates against what the engine runs now, each alone in CUDA graphs: the fused q/k
-    # norm + rope (Triton) against flashinfer's three kernels. The flashinfer builds come first (a
-    # restored cache makes them a no-op). `--parts gemm --gemm-libs cublas,triton` redoes the GEMM sweep.
+    # Kernel candidates against what the engine runs now, each timed alone: by default the one-pass
+    # Triton sampling race (triton_sample.py) against the engine's sampling path. The flashinfer builds
+    # come first (a restored cache makes them a no-op). `--parts gemm --gemm-libs cublas,triton` redoes
+    # the GEMM sweep, `--parts qk_norm_rope` the q/k norm + rope comparison.
     python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
     run prebuild 300 python3 benchmarks/prebuild_kernels.py --softcap
-    run kernel-choices 240 python3 benchmarks/kernel_choices.py --parts "${PARTS:-qk_norm_rope}" \
+    run kernel-choices 240 python3 benchmarks/kernel_choices.py --parts "${PARTS:-sampling}" \
       --gemm-libs cublas,triton --gemm-batches 1,8 --out-dir "$OUT"
     grep -A8 "^model" "$OUT/kernel-choices.log" | cut -c1-200 | tail -24 ;;
   offline)

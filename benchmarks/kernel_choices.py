@@ -10,7 +10,8 @@ Qwen3-0.6B offline at batch up to 256):
 - weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
 - programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
-- sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`.
+- sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`,
+  and the engine's path from bf16 logits against the one-pass Triton race (triton_sample.py).
 
 Every figure is µs per call from CUDA-graph replays over enough distinct buffers that L2 serves none
 of them (sampling: kernel time from the profiler).
@@ -196,6 +197,9 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
 
+    from tandem.benchmarks.triton_sample import race_sample
+    from tandem.engine.layers.fused import FusedKernels
+
     def kernel_us(fn: Callable[[], object], iters: int = 20) -> float:
         for _ in range(3):
             fn()
@@ -215,6 +219,10 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
         temperature = batch.temperature
         scaled = functools.partial(torch.div, logits, temperature[:, None])
         fused = functools.partial(_compose, flashinfer.sampling.sampling_from_logits, scaled)
+        # The engine's real input: the LM head's bf16 logits, which its path first turns to float32.
+        half = logits.to(torch.bfloat16)
+        race = functools.partial(race_sample, half, temperature, batch.seeds, batch.steps)
+        engine = Sampler(vocab, device=torch.device("cuda"), fused_draw=FusedKernels(8).sample)
         rows.append(
             {
                 "part": "sampling",
@@ -222,6 +230,8 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
                 "bs": bs,
                 "torch_path": kernel_us(functools.partial(sampler, logits, batch)),
                 "fi_from_logits": kernel_us(fused),
+                "engine_path_bf16": kernel_us(functools.partial(engine, half, batch)),
+                "triton_race_bf16": kernel_us(race),
             }
         )
     return rows

@@ -1,0 +1,150 @@
+"""A candidate sampling kernel: the sampler's exponential race (engine/sampler.py) in one pass over the
+logits, for every row of a batch, seeded or not.
+
+Why: at batch 256 and Qwen3's 151,936-token vocabulary the engine now spends three passes on sampling
+after the LM head: the logits to float32 (~55 us on an H200), the division by the temperature
+(~75 us) and flashinfer's draw (~105 us) — about 4% of a step of the offline run. A batch with any
+seeded row instead takes the torch hash race, ~3.3 ms. Here each program reads a slice of one row's
+logits in their own dtype once, divides by the row's temperature, subtracts the row's counter-based
+noise (the same hash of seed, step and vocab index as `log_exponential_noise`) and keeps the running
+argmax; a second, tiny kernel picks each row's winner among its slices. Rows with temperature below
+`GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
+
+It covers the common case only: no penalties, no top-k, top-p or min-p (those keep the torch path).
+The draw is exact, like the torch race: argmax(logit / T - log E) with E ~ Exp(1) is a sample from
+softmax(logit / T). On the CPU interpreter it picks the torch race's token
+(tests/unit/test_triton_sample.py); on a GPU, `log` rounds differently, so near-ties may go the other way.
+
+A benchmark candidate (kernel_choices.py `--parts sampling` times it against the engine's path); the
+engine does not use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+GREEDY_EPS = 1e-5  # engine/sampler.py's: temperatures below this are greedy
+_TARGET_PROGRAMS = 264  # two per SM on an H200: slices per row about this / batch, a power of 2 in [1, 64]
+
+
+@triton.jit
+def _mix32(x):  # type: ignore[no-untyped-def]  # Wellons' lowbias32 on uint32, wrapping as intended
+    x ^= x >> 16
+    x *= tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full(x.shape, 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    logits_ptr,
+    temperature_ptr,
+    seed_ptr,
+    step_ptr,
+    best_val_ptr,
+    best_idx_ptr,
+    stride_row,
+    vocab,
+    slices,
+    greedy_eps,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,  # per slice; a constant so the loop has a fixed trip count
+):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    step = tl.load(step_ptr + row).to(tl.int64)
+    # The row key, as log_exponential_noise builds it: step, then the seed's high and low words.
+    one = tl.full((1,), 0, tl.uint32)
+    key = _mix32(one + ((step & 0xFFFFFFFF) ^ 0x9E3779B9).to(tl.uint32))
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    key = _mix32(key ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature < greedy_eps
+    divisor = tl.where(greedy, 1.0, temperature)
+    noise_scale = tl.where(greedy, 0.0, 1.0)
+    chunk = BLOCK * BLOCKS
+    start = part * chunk
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.full((BLOCK,), 2147483647, tl.int32)
+    for b in range(0, BLOCKS):
+        v = start + b * BLOCK + tl.arange(0, BLOCK)
+        inside = v < vocab
+        logit = tl.load(logits_ptr + row * stride_row + v, mask=inside, other=float("-inf"))
+        bits = _mix32(key ^ _mix32(v.to(tl.uint32) ^ 0x632BE5AB))
+        # u = (2j + 1) / 2^24 from the top 24 bits: exact in float32, strictly inside (0, 1).
+        u = ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
+        log_e = tl.log(-tl.log(u))
+        value = logit.to(tl.float32) / divisor - noise_scale * log_e
+        value = tl.where(inside, value, float("-inf"))
+        better = value > best_val  # strict: a lane keeps its earliest index on ties
+        best_val = tl.where(better, value, best_val)
+        best_idx = tl.where(better, v, best_idx)
+    top = tl.max(best_val, axis=0)
+    first = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
+    tl.store(best_val_ptr + row * slices + part, top)
+    tl.store(best_idx_ptr + row * slices + part, first)
+
+
+@triton.jit
+def race_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, slices, SLICES: tl.constexpr):  # type: ignore[no-untyped-def]
+    row = tl.program_id(0)
+    lane = tl.arange(0, SLICES)
+    valid = lane < slices
+    val = tl.load(best_val_ptr + row * slices + lane, mask=valid, other=float("-inf"))
+    idx = tl.load(best_idx_ptr + row * slices + lane, mask=valid, other=2147483647)
+    top = tl.max(val, axis=0)
+    # Slices are in vocab order, so the lowest index among the tied maxima is torch.argmax's answer.
+    tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2147483647), axis=0).to(tl.int64))
+
+
+def race_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    block: int = 1024,
+    slices: int | None = None,
+) -> torch.Tensor:
+    """int64 [B]: per row, argmax(logits / T - log E(seed, step, v)) over the first `vocab_size`
+    columns; the plain argmax where T < GREEDY_EPS. logits [B, V'] in any float dtype (rows may be
+    strided, V' >= vocab_size), temperature float32 [B], seeds and steps int64 [B]."""
+    rows = logits.shape[0]
+    vocab = vocab_size or logits.shape[1]
+    if logits.stride(1) != 1 or vocab > logits.shape[1]:
+        raise ValueError("logits need a contiguous last dim holding at least vocab_size columns")
+    if slices is None:
+        # Powers of two: each slice count is a compiled variant (the blocks per slice are a constant).
+        slices = min(64, triton.next_power_of_2(-(-_TARGET_PROGRAMS // max(rows, 1))))
+    blocks = -(-vocab // block)
+    per_slice = -(-blocks // min(slices, blocks))
+    slices = -(-blocks // per_slice)
+    best_val = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    partial: Any = race_partial_kernel[(rows, slices)]
+    partial(
+        logits,
+        temperature,
+        seeds,
+        steps,
+        best_val,
+        best_idx,
+        logits.stride(0),
+        vocab,
+        slices,
+        GREEDY_EPS,
+        BLOCK=block,
+        BLOCKS=per_slice,
+    )
+    reduce: Any = race_reduce_kernel[(rows,)]
+    reduce(best_val, best_idx, out, slices, SLICES=triton.next_power_of_2(slices))
+    return out

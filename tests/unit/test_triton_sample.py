@@ -1,0 +1,62 @@
+"""The one-pass sampling candidate (benchmarks/triton_sample.py) against the engine's torch exponential race
+(engine/sampler.py), in Triton's CPU interpreter: the same token for every row, seeded, greedy, at
+strided and padded logits, in float32 and bf16. Skips where Triton is not installed (CI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# (rows, vocab, padded width, block, slices, dtype)
+CASES = [
+    (5, 3000, 3000, 256, None, "float32"),
+    (3, 777, 800, 128, 4, "bfloat16"),
+    (1, 5000, 5000, 512, None, "float32"),
+    (4, 1000, 1024, 256, 1, "float32"),
+]
+SCRIPT = """
+import json, sys, torch
+from tandem.benchmarks.triton_sample import race_sample
+from tandem.engine.sampler import exponential_race
+
+out = []
+for rows, vocab, width, block, slices, dtype in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    logits = (torch.randn(rows, width, generator=g) * 3).to(getattr(torch, dtype))
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.1
+    temperature[0] = 0.0  # a greedy row
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=g)
+    steps = torch.randint(0, 5000, (rows,), generator=g)
+    got = race_sample(logits, temperature, seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    raw = logits[:, :vocab].float()
+    greedy = temperature < 1e-5
+    scaled = raw / torch.where(greedy, 1.0, temperature)[:, None]
+    want = torch.where(greedy, raw.argmax(-1), exponential_race(scaled, seeds, steps))
+    # The noise on its own: at temperature -> infinity the race is argmax(-log E), so the kernel's
+    # hash must match the reference's bit for bit for this to agree.
+    flat = torch.zeros(rows, width).to(getattr(torch, dtype))
+    big = torch.full((rows,), 1e30)
+    noise_got = race_sample(flat, big, seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    noise_want = exponential_race(torch.zeros(rows, vocab), seeds, steps)
+    # Ties go to the lowest index, as torch.argmax's do, greedy: maxima one block apart (the same lane)
+    # and in the last slice.
+    tied = torch.zeros(rows, width).to(getattr(torch, dtype))
+    tied[:, [3, 3 + block, vocab - 1]] = 5.0
+    ties = race_sample(tied, torch.zeros(rows), seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    out.append({"got": got.tolist(), "want": want.tolist(), "noise_got": noise_got.tolist(),
+                "noise_want": noise_want.tolist(), "dtype": str(got.dtype), "ties": ties.tolist(),
+                "tie_want": [3] * rows})
+print(json.dumps(out))
+"""
+
+
+def test_picks_the_torch_race_token_in_the_interpreter(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    results = triton_interpreter(SCRIPT, CASES)
+    assert len(results) == len(CASES)
+    for case, result in zip(CASES, results, strict=True):
+        assert result["dtype"] == "torch.int64"
+        assert result["got"] == result["want"], (case, result)
+        assert result["noise_got"] == result["noise_want"], (case, result)
+        assert result["ties"] == result["tie_want"], (case, result)
