@@ -197,7 +197,7 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
 
-    from tandem.benchmarks.triton_sample import race_sample
+    from tandem.benchmarks.triton_sample import column_keys, race_sample
     from tandem.engine.layers.fused import FusedKernels
 
     def kernel_us(fn: Callable[[], object], iters: int = 20) -> float:
@@ -221,7 +221,8 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
         fused = functools.partial(_compose, flashinfer.sampling.sampling_from_logits, scaled)
         # The engine's real input: the LM head's bf16 logits, which its path first turns to float32.
         half = logits.to(torch.bfloat16)
-        race = functools.partial(race_sample, half, temperature, batch.seeds, batch.steps)
+        columns = column_keys(vocab, torch.device("cuda"))
+        race = functools.partial(race_sample, half, temperature, batch.seeds, batch.steps, columns)
         engine = Sampler(vocab, device=torch.device("cuda"), fused_draw=FusedKernels(8).sample)
         rows.append(
             {

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.sampler import vocab_keys
+
 GREEDY_EPS = 1e-5  # engine/sampler.py's: temperatures below this are greedy
 _TARGET_PROGRAMS = 264  # two per SM on an H200: slices per row about this / batch, a power of 2 in [1, 64]
 
@@ -47,6 +49,7 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     temperature_ptr,
     seed_ptr,
     step_ptr,
+    vocab_key_ptr,
     best_val_ptr,
     best_idx_ptr,
     stride_row,
@@ -77,7 +80,9 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
         v = start + b * BLOCK + tl.arange(0, BLOCK)
         inside = v < vocab
         logit = tl.load(logits_ptr + row * stride_row + v, mask=inside, other=float("-inf"))
-        bits = _mix32(key ^ _mix32(v.to(tl.uint32) ^ 0x632BE5AB))
+        # The column's half of the key is the same for every row: a table, read from L2 after the first rows.
+        column = tl.load(vocab_key_ptr + v, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        bits = _mix32(key ^ column)
         # u = (2j + 1) / 2^24 from the top 24 bits: exact in float32, strictly inside (0, 1).
         u = ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
         log_e = tl.log(-tl.log(u))
@@ -104,11 +109,17 @@ def race_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, slices, SLICES: tl.c
     tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2147483647), axis=0).to(tl.int64))
 
 
+def column_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`vocab_keys` as int32 bit patterns: the table race_sample reads (compute it once per vocabulary)."""
+    return vocab_keys(vocab_size, device).to(torch.int32)  # wraps above 2^31, keeping the bits
+
+
 def race_sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    columns: torch.Tensor,
     *,
     vocab_size: int | None = None,
     block: int = 1024,
@@ -116,11 +127,14 @@ def race_sample(
 ) -> torch.Tensor:
     """int64 [B]: per row, argmax(logits / T - log E(seed, step, v)) over the first `vocab_size`
     columns; the plain argmax where T < GREEDY_EPS. logits [B, V'] in any float dtype (rows may be
-    strided, V' >= vocab_size), temperature float32 [B], seeds and steps int64 [B]."""
+    strided, V' >= vocab_size), temperature float32 [B], seeds and steps int64 [B], `columns` from
+    `column_keys(vocab_size)`."""
     rows = logits.shape[0]
     vocab = vocab_size or logits.shape[1]
     if logits.stride(1) != 1 or vocab > logits.shape[1]:
         raise ValueError("logits need a contiguous last dim holding at least vocab_size columns")
+    if columns.dtype != torch.int32 or columns.shape[0] < vocab:
+        raise ValueError("columns must be column_keys(vocab_size): int32 with one key per column")
     if slices is None:
         # Powers of two: each slice count is a compiled variant (the blocks per slice are a constant).
         slices = min(64, triton.next_power_of_2(-(-_TARGET_PROGRAMS // max(rows, 1))))
@@ -136,6 +150,7 @@ def race_sample(
         temperature,
         seeds,
         steps,
+        columns,
         best_val,
         best_idx,
         logits.stride(0),

@@ -60,9 +60,13 @@ def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: 
     key = _mix32_((steps.to(torch.int64) & _MASK32) ^ 0x9E3779B9)
     key = _mix32_(key ^ ((seeds >> 32) & _MASK32))
     key = _mix32_(key ^ (seeds & _MASK32))
-    vocab = _mix32_(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) ^ 0x632BE5AB)
-    bits = key[:, None] ^ vocab[None, :]
+    bits = key[:, None] ^ vocab_keys(vocab_size, seeds.device)[None, :]
     return _log_exponential_(_mix32_(bits, torch.empty_like(bits)))
+
+
+def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The per-column half of the noise key: int64 [V] holding hashes in [0, 2^32), the same for every row."""
+    return _mix32_(torch.arange(vocab_size, device=device, dtype=torch.int64) ^ 0x632BE5AB)
 
 
 def _log_exponential_(bits: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ CASES = [
 ]
 SCRIPT = """
 import json, sys, torch
-from tandem.benchmarks.triton_sample import race_sample
+from tandem.benchmarks.triton_sample import column_keys, race_sample
 from tandem.engine.sampler import exponential_race
 
 out = []
@@ -27,7 +27,9 @@ for rows, vocab, width, block, slices, dtype in json.loads(sys.argv[1]):
     temperature[0] = 0.0  # a greedy row
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=g)
     steps = torch.randint(0, 5000, (rows,), generator=g)
-    got = race_sample(logits, temperature, seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    columns = column_keys(vocab, torch.device("cpu"))
+    shape = {"vocab_size": vocab, "block": block, "slices": slices}
+    got = race_sample(logits, temperature, seeds, steps, columns, **shape)
     raw = logits[:, :vocab].float()
     greedy = temperature < 1e-5
     scaled = raw / torch.where(greedy, 1.0, temperature)[:, None]
@@ -36,13 +38,13 @@ for rows, vocab, width, block, slices, dtype in json.loads(sys.argv[1]):
     # hash must match the reference's bit for bit for this to agree.
     flat = torch.zeros(rows, width).to(getattr(torch, dtype))
     big = torch.full((rows,), 1e30)
-    noise_got = race_sample(flat, big, seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    noise_got = race_sample(flat, big, seeds, steps, columns, **shape)
     noise_want = exponential_race(torch.zeros(rows, vocab), seeds, steps)
     # Ties go to the lowest index, as torch.argmax's do, greedy: maxima one block apart (the same lane)
     # and in the last slice.
     tied = torch.zeros(rows, width).to(getattr(torch, dtype))
     tied[:, [3, 3 + block, vocab - 1]] = 5.0
-    ties = race_sample(tied, torch.zeros(rows), seeds, steps, vocab_size=vocab, block=block, slices=slices)
+    ties = race_sample(tied, torch.zeros(rows), seeds, steps, columns, **shape)
     out.append({"got": got.tolist(), "want": want.tolist(), "noise_got": noise_got.tolist(),
                 "noise_want": noise_want.tolist(), "dtype": str(got.dtype), "ties": ties.tolist(),
                 "tie_want": [3] * rows})
