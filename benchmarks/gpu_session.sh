@@ -49,6 +49,9 @@ case $PHASE in
   serve)
     # A private Ray without the dashboard; HTTP and in-process requests alternate, both engines on the
     # one GPU (online_local_overhead.py --gpu-share). HAProxy twice (the figure is noisy), Serve's proxy once.
+    # First the rank's own first-token time (rank_ttft.py: no Ray, no channel), the baseline both share.
+    run rank-ttft 150 python3 benchmarks/rank_ttft.py --device cuda --out-dir "$OUT"
+    grep "overlap" "$OUT/rank-ttft.log"
     for run in haproxy-r1 haproxy-r2 proxy-r1; do
       mode=${run%-*}
       run "serve-$run" 200 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \

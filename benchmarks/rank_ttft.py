@@ -1,0 +1,101 @@
+"""Time to first token inside one rank: a `RankRuntime` driven in this process, no Ray, no channel.
+
+The serve-overhead benchmark compares HTTP against `LLMReplica.generate`, and both share the rank's own
+first-token time. On an H200 that in-process time was 6-9 ms for the embedded tiny model, more than the
+overhead being measured, and it moved between runs. This splits it: sequential requests at low load,
+the time from handing the request to the loop until the loop emits its first token, how many loop steps
+that took, and the loop's phases per step (schedule, launch, process_results with `wait` inside it).
+
+    python benchmarks/rank_ttft.py --device cuda --out-dir OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.benchmarks.common import RESULTS, write_result
+from tandem.engine.distributed import TPGroup
+from tandem.engine.tiny.factory import default_model_dir
+from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
+
+
+def measure(
+    runtime: RankRuntime, emitted: list[float], requests: int, prompt_len: int, max_tokens: int
+) -> dict[str, Any]:
+    """Per request: seconds to the first emitted token and to the last, and loop steps to the first.
+    `emitted` is where the runtime's emit callback appends the time of each batch of outputs."""
+    inbox: list[SchedulerMsg] = []
+
+    def receive(blocking: bool) -> list[SchedulerMsg]:
+        msgs = list(inbox)
+        inbox.clear()
+        return msgs
+
+    first, total, steps = [], [], []
+    for i in range(requests + 3):  # the first 3 warm up
+        emitted.clear()
+        prompt = [(i * 7 + k) % 400 + 5 for k in range(prompt_len)]
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        inbox.append(AddRequest(rid=i, prompt_ids=prompt, sampling=spec))
+        start, count, to_first = time.perf_counter(), 0, None
+        while True:
+            runtime.step(receive)
+            count += 1
+            if to_first is None and emitted:
+                to_first = count
+            if not runtime.busy:
+                break
+        if i >= 3 and emitted and to_first is not None:
+            first.append(emitted[0] - start)
+            total.append(emitted[-1] - start)
+            steps.append(to_first)
+    return {
+        "ttft_ms_p50": round(1e3 * statistics.median(first), 3),
+        "ttft_ms_p90": round(1e3 * statistics.quantiles(first, n=10)[-1], 3),
+        "e2e_ms_p50": round(1e3 * statistics.median(total), 3),
+        "steps_to_first_token": statistics.median(steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    rows = []
+    for overlap in (True, False):
+        options = RuntimeOptions(device=args.device, overlap=overlap)
+        emitted: list[float] = []
+
+        def emit(outputs: list[TokenOutput], emitted: list[float] = emitted) -> None:
+            emitted.append(time.perf_counter())
+
+        runtime = RankRuntime(default_model_dir(), options, TPGroup(), emit)
+        runtime.scheduler.timer.reset()
+        timing = measure(runtime, emitted, args.requests, args.prompt_len, args.max_tokens)
+        row = {"overlap": overlap, **timing}
+        row["step_phases"] = runtime.scheduler.timer.summary()
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "step_phases"}, flush=True)
+        del runtime
+    config = vars(args) | {"out_dir": str(args.out_dir), "model": "embedded tiny model"}
+    payload = {"config": config, "rows": rows}
+    path = write_result(
+        f"rank-ttft-{args.device}", payload, device=torch.device(args.device), out_dir=args.out_dir
+    )
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
