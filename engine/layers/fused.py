@@ -6,18 +6,24 @@ decode CUDA graph each tiny launch still costs a few microseconds of GPU time, s
 batch those launches, not the GEMMs or the KV reads, set the step time. One kernel per norm (residual
 add included), one per rope and one for the activation fix that.
 
-The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused ones compute in
+Where a layer has per-head q/k norms, both norms and the rope are one Triton launch instead
+(qk_norm_rope.py). The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused ones compute in
 float32 inside the kernel and round once, so they differ from the torch path by bf16 rounding only.
 Never construct this on CPU: it imports flashinfer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tandem.engine.config import RopeConfig
+
+# qk_norm_rope.qk_norm_rope: (qkv, positions, q_weight, k_weight, table, *, num_heads, num_kv_heads, eps,
+# gemma) -> (q [T, H, D], k [T, Hkv, D]), both contiguous.
+QKNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class FusedKernels:
@@ -30,7 +36,9 @@ class FusedKernels:
         self._rope: Any = flashinfer.rope
         self._activation: Any = flashinfer.activation
         self._sampling: Any = flashinfer.sampling
-        self._qk_norm_rope: Any = _triton_qk_norm_rope()
+        # Both per-head q/k norms and the rope in one launch (qk_norm_rope.py), in place of `rmsnorm`
+        # twice and `rope`, with the same float32 math and roundings; None where Triton is missing.
+        self.qk_norm_rope: QKNormRope | None = _triton_qk_norm_rope()
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -67,39 +75,6 @@ class FusedKernels:
         tokens = self._sampling.sampling_from_logits(scaled, generator=generator)
         return tokens.to(torch.int64)  # type: ignore[no-any-return]
 
-    @property
-    def has_qk_norm_rope(self) -> bool:
-        """Whether the one-launch q/k norm + rope (Triton, which CUDA builds of torch bring) is here."""
-        return self._qk_norm_rope is not None
-
-    def qk_norm_rope(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-        table: torch.Tensor,
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        eps: float,
-        gemma: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-head q and k norms, then rope, in one launch: qkv [T, (H + 2 Hkv) * D], the merged
-        projection output, gives contiguous q [T, H, D] and k [T, Hkv, D] (qk_norm_rope.py). In place of
-        `rmsnorm` twice and `rope`, with the same float32 math and roundings."""
-        return self._qk_norm_rope(  # type: ignore[no-any-return]
-            qkv,
-            positions,
-            q_weight,
-            k_weight,
-            table,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            eps=eps,
-            gemma=gemma,
-        )
-
     def cos_sin_table(self, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
         """float32 [max_positions, rotary_dim]: cos in the first half, sin in the second.
 
@@ -129,7 +104,7 @@ class FusedKernels:
         return q_out.view(q.shape), k_out.view(k.shape)
 
 
-def _triton_qk_norm_rope() -> Any:
+def _triton_qk_norm_rope() -> QKNormRope | None:
     """The fused q/k norm + rope, or None where Triton is missing (the three flashinfer kernels then)."""
     try:
         from tandem.engine.layers.qk_norm_rope import qk_norm_rope

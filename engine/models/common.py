@@ -105,7 +105,7 @@ class Attention(nn.Module):
         table = self.rotary.table
         self.fused_qk = (
             b.kernels is not None
-            and b.kernels.has_qk_norm_rope
+            and b.kernels.qk_norm_rope is not None
             and c.qk_norm
             and table is not None
             and table.shape[-1] == c.head_dim
@@ -120,7 +120,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.fused_qk:
             assert self.kernels is not None and self.q_norm is not None and self.k_norm is not None
-            assert self.rotary.table is not None
+            assert self.rotary.table is not None and self.kernels.qk_norm_rope is not None
             q, k = self.kernels.qk_norm_rope(
                 merged,
                 positions,
