@@ -7,8 +7,9 @@ batch those launches, not the GEMMs or the KV reads, set the step time. One kern
 add included), one per rope and one for the activation fix that.
 
 Where a layer has per-head q/k norms, both norms and the rope are one Triton launch instead
-(qk_norm_rope.py). The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused ones compute in
-float32 inside the kernel and round once, so they differ from the torch path by bf16 rounding only.
+(qk_norm_rope.py). The torch ops stay the reference (CPU, and `fused_kernels=False` on GPU). The fused
+ones compute in float32 inside the kernel and round once, so they differ from the torch path by bf16
+rounding only.
 Never construct this on CPU: it imports flashinfer.
 """
 
