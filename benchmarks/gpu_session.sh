@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
-#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve [OUT]
+#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve|tp2 [OUT]
 # About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
-# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5.
+# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5, tp2 5 (two GPUs).
 set -uo pipefail
-PHASE=${1:?phase: tests, probe, offline, latency, profile, hf or serve}; OUT=${2:-${OUT:-/tmp/gpu-session}}
+PHASE=${1:?phase: tests, probe, offline, latency, profile, hf, serve or tp2}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
 export TANDEM_COMMIT=${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 run() {  # name, timeout in s, command...: log to OUT/name.log, say how it ended
@@ -19,6 +19,13 @@ case $PHASE in
     run gpu-tests 480 python3 -m pytest tests/gpu -p no:warnings -rfE \
       --deselect tests/gpu/test_replica_serve_gpu.py
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/gpu-tests.log" | tail -15 ;;
+  tp2)
+    # On a two-GPU host (kind nvidia-h200-x2): NCCL inside the decode and piecewise graphs, and a TP=2
+    # replica under Serve against TP=1 in float32.
+    run prebuild 300 python3 benchmarks/prebuild_kernels.py
+    run tp2-tests 480 python3 -m pytest -p no:warnings -rfEs tests/gpu/test_replica_serve_gpu.py \
+      tests/gpu/test_switches.py -k "tp2 or replica_under_serve"
+    grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed)" "$OUT/tp2-tests.log" | tail -15 ;;
   probe)
     # Kernel candidates against what the engine runs now, each timed alone: by default the one-pass
     # Triton sampling race (triton_sample.py) against the engine's sampling path. The flashinfer builds
