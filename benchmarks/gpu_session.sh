@@ -27,8 +27,8 @@ case $PHASE in
       tests/gpu/test_switches.py -k "tp2 or replica_under_serve"
     grep -E "^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed)" "$OUT/tp2-tests.log" | tail -15 ;;
   probe)
-    # Kernel candidates against what the engine runs now, each timed alone: by default the one-pass
-    # Triton sampling race (triton_sample.py) against the engine's sampling path. The flashinfer builds
+    # Kernel choices, each timed alone: by default the sampler with the one-pass Triton race
+    # (engine/sampling_race.py) against it with flashinfer's draw. The flashinfer builds
     # come first (a restored cache makes them a no-op). `--parts gemm --gemm-libs cublas,triton` redoes
     # the GEMM sweep, `--parts qk_norm_rope` the q/k norm + rope comparison.
     python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1

@@ -11,7 +11,8 @@ Qwen3-0.6B offline at batch up to 256):
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
 - programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`,
-  and the engine's path from bf16 logits against the one-pass Triton race (triton_sample.py).
+  and the sampler from bf16 logits with flashinfer's draw against the one-pass Triton race
+  (engine/sampling_race.py).
 
 Every figure is µs per call from CUDA-graph replays over enough distinct buffers that L2 serves none
 of them (sampling: kernel time from the profiler).
@@ -197,7 +198,6 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
 
-    from tandem.benchmarks.triton_sample import column_keys, race_sample
     from tandem.engine.layers.fused import FusedKernels
 
     def kernel_us(fn: Callable[[], object], iters: int = 20) -> float:
@@ -219,11 +219,14 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
         temperature = batch.temperature
         scaled = functools.partial(torch.div, logits, temperature[:, None])
         fused = functools.partial(_compose, flashinfer.sampling.sampling_from_logits, scaled)
-        # The engine's real input: the LM head's bf16 logits, which its path first turns to float32.
+        # The engine's real input: the LM head's bf16 logits. Its sampler before the one-pass race
+        # (float32 copy, division, flashinfer's draw) against with it.
         half = logits.to(torch.bfloat16)
-        columns = column_keys(vocab, torch.device("cuda"))
-        race = functools.partial(race_sample, half, temperature, batch.seeds, batch.steps, columns)
-        engine = Sampler(vocab, device=torch.device("cuda"), fused_draw=FusedKernels(8).sample)
+        kernels = FusedKernels(8)
+        before = Sampler(vocab, device=torch.device("cuda"), fused_draw=kernels.sample)
+        race = Sampler(
+            vocab, device=torch.device("cuda"), fused_draw=kernels.sample, race=kernels.race_sample
+        )
         rows.append(
             {
                 "part": "sampling",
@@ -231,8 +234,8 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
                 "bs": bs,
                 "torch_path": kernel_us(functools.partial(sampler, logits, batch)),
                 "fi_from_logits": kernel_us(fused),
-                "engine_path_bf16": kernel_us(functools.partial(engine, half, batch)),
-                "triton_race_bf16": kernel_us(race),
+                "flashinfer_path_bf16": kernel_us(functools.partial(before, half, batch)),
+                "race_path_bf16": kernel_us(functools.partial(race, half, batch)),
             }
         )
     return rows

@@ -70,7 +70,10 @@ class Engine:
             self.groups, config.page_size, config.device, layers=self.model.layer_specs(), dtype=config.dtype
         )
         self.sampler = Sampler(
-            mc.vocab_size, device=config.device, fused_draw=kernels.sample if kernels is not None else None
+            mc.vocab_size,
+            device=config.device,
+            fused_draw=kernels.sample if kernels is not None else None,
+            race=kernels.race_sample if kernels is not None else None,
         )
         # Decode graphs bake in the pool's and the backend's buffer addresses, so they come last.
         self.decode_graphs: DecodeGraphRunner | None = None

@@ -154,6 +154,9 @@ def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
 
 # (scaled logits [B, V], generator) -> int64 [B]: one draw per row from softmax(scaled).
 FusedDraw = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+# sampling_race.race_sample: (logits [B, V'], temperature, seeds, steps, vocab keys as int32, *,
+# vocab_size) -> int64 [B], the exponential race (plain argmax for greedy rows) in one pass.
+RaceSample = Callable[..., torch.Tensor]
 
 
 class Sampler:
@@ -162,6 +165,10 @@ class Sampler:
     `fused_draw` (flashinfer's sampling kernel, on CUDA with fused kernels on) replaces the
     exponential race for batches where no row brought a seed: one pass over [B, V] instead of five.
     Seeded rows always take the counter-based race, which is what makes them reproducible.
+
+    `race` (sampling_race.py, on CUDA with fused kernels on and Triton present) takes every batch
+    without penalties, filters or logprobs, seeded or not: the race in one pass over the logits as the
+    LM head left them, where the other paths first make a float32 copy, divide it and draw.
 
     `fuse=True` (for CUDA) compiles the race with torch.compile: the eager hash makes ~25 passes over
     [B, V] int64, ~3.3 ms at B=256, V=152k on an H200; fused it is ~0.2 ms and bit-identical. Compiling
@@ -177,9 +184,14 @@ class Sampler:
         seed: int = 0,
         device: torch.device | None = None,
         fused_draw: FusedDraw | None = None,
+        race: RaceSample | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self._fused_draw = fused_draw
+        self._race_one_pass = race
+        self._vocab_keys = (
+            None if race is None else vocab_keys(vocab_size, device or torch.device("cpu")).to(torch.int32)
+        )
         self._race = torch.compile(exponential_race, dynamic=True) if fuse else exponential_race
         # For batches where no row brought a seed: one exponential_ kernel instead of the hash.
         self._generator = torch.Generator(device=device or "cpu")
@@ -188,6 +200,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         if logits.shape[-1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, vocabulary has {self.vocab_size}")
+        if self._one_pass(batch):
+            assert self._race_one_pass is not None
+            tokens = self._race_one_pass(
+                logits,
+                batch.temperature,
+                batch.seeds,
+                batch.steps,
+                self._vocab_keys,
+                vocab_size=self.vocab_size,
+            )
+            return SampleResult(tokens, None, None, None)
         raw = logits[:, : self.vocab_size].float()
         penalised = apply_penalties(raw, batch)
         if batch.all_greedy:
@@ -196,6 +219,17 @@ class Sampler:
         else:
             tokens = self._draw(penalised, batch)
         return _with_logprobs(raw, tokens, batch.num_logprobs)
+
+    def _one_pass(self, batch: SamplingBatch) -> bool:
+        """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
+        return (
+            self._race_one_pass is not None
+            and not batch.all_greedy
+            and batch.history is None
+            and not batch.any_top_k_top_p
+            and not batch.any_min_p
+            and batch.num_logprobs < 0
+        )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature.to(logits.dtype)

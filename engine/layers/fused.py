@@ -40,6 +40,8 @@ class FusedKernels:
         # Both per-head q/k norms and the rope in one launch (qk_norm_rope.py), in place of `rmsnorm`
         # twice and `rope`, with the same float32 math and roundings; None where Triton is missing.
         self.qk_norm_rope: QKNormRope | None = _triton_qk_norm_rope()
+        # The sampler's race in one pass over the logits (sampling_race.py); None where Triton is missing.
+        self.race_sample: Callable[..., torch.Tensor] | None = _triton_race_sample()
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -112,3 +114,11 @@ def _triton_qk_norm_rope() -> QKNormRope | None:
     except ImportError:
         return None
     return qk_norm_rope
+
+
+def _triton_race_sample() -> Callable[..., torch.Tensor] | None:
+    try:
+        from tandem.engine.sampling_race import race_sample
+    except ImportError:
+        return None
+    return race_sample

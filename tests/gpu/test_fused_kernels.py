@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -183,3 +185,45 @@ def test_qk_norm_rope_in_one_launch(
     chain_q, chain_k = rotary(positions, q_fused(q), k_fused(k))
     close(got_q, chain_q)
     close(got_k, chain_k)
+
+
+def test_one_pass_race_follows_the_softmax(kernels: FusedKernels) -> None:
+    """The sampler's one-pass race (sampling_race.py) on bf16 logits of a padded LM head: frequencies
+    match softmax(logits / T), a -inf token never comes up, greedy rows stay argmax, and the tokens are
+    the torch race's for the same seeds and steps (bar near-ties, where GPU `log` rounds otherwise)."""
+    from tandem.engine.batch import SamplingBatch
+    from tandem.engine.sampler import Sampler
+
+    assert kernels.race_sample is not None  # CUDA builds of torch bring Triton
+    rows, vocab, temperature = 16384, 6, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, 9.0, 9.0], device=DEVICE).repeat(rows, 1)
+    logits[:, 4] = -float("inf")
+    logits = logits.to(BF16)  # columns 6 and 7 are the head's padding, past the vocabulary
+    temps = torch.full((rows,), temperature, device=DEVICE)
+    temps[:64] = 0.0
+    batch = SamplingBatch(
+        temperature=temps,
+        top_p=torch.ones(rows, device=DEVICE),
+        top_k=torch.zeros(rows, dtype=torch.int64, device=DEVICE),
+        min_p=torch.zeros(rows, device=DEVICE),
+        seeds=torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 1,
+        steps=torch.full((rows,), 3, dtype=torch.int64, device=DEVICE),
+        presence_penalty=torch.zeros(rows, device=DEVICE),
+        frequency_penalty=torch.zeros(rows, device=DEVICE),
+        repetition_penalty=torch.ones(rows, device=DEVICE),
+        any_top_k_top_p=False,
+        any_min_p=False,
+        any_explicit_seed=False,
+        any_greedy=True,
+    )
+    drawn = Sampler(vocab, device=DEVICE, race=kernels.race_sample)(logits, batch).next_tokens
+    assert drawn.dtype == torch.int64
+    assert bool((drawn[:64] == 5).all()), "greedy rows must stay argmax"
+    assert int(drawn.max()) < vocab, "a padding column was drawn"
+    assert not bool((drawn == 4).any()), "a -inf token was drawn"
+    freq = torch.bincount(drawn[64:], minlength=vocab).float() / (rows - 64)
+    want = torch.softmax(logits[0, :vocab].float() / temperature, dim=-1)
+    torch.testing.assert_close(freq, want, atol=0.02, rtol=0)  # standard error below 0.004
+    seeded = dataclasses.replace(batch, any_explicit_seed=True)
+    torch_race = Sampler(vocab, device=DEVICE)(logits, seeded).next_tokens  # the counter-based hash
+    assert float((torch_race == drawn).float().mean()) > 0.999

@@ -1,6 +1,7 @@
-"""The one-pass sampling candidate (benchmarks/triton_sample.py) against the engine's torch exponential race
+"""The one-pass sampling race (engine/sampling_race.py) against the engine's torch exponential race
 (engine/sampler.py), in Triton's CPU interpreter: the same token for every row, seeded, greedy, at
-strided and padded logits, in float32 and bf16. Skips where Triton is not installed (CI)."""
+strided and padded logits, in float32 and bf16; and the Sampler taking it only for batches it covers.
+Skips where Triton is not installed (CI)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ CASES = [
 ]
 SCRIPT = """
 import json, sys, torch
-from tandem.benchmarks.triton_sample import column_keys, race_sample
+from tandem.engine.sampling_race import column_keys, race_sample
 from tandem.engine.sampler import exponential_race
 
 out = []
@@ -62,3 +63,53 @@ def test_picks_the_torch_race_token_in_the_interpreter(
         assert result["got"] == result["want"], (case, result)
         assert result["noise_got"] == result["noise_want"], (case, result)
         assert result["ties"] == result["tie_want"], (case, result)
+
+
+SAMPLER_SCRIPT = """
+import json, sys, torch
+from tandem.engine.batch import SamplingBatch
+from tandem.engine.sampler import Sampler
+from tandem.engine.sampling_race import race_sample
+
+rows, vocab = 6, 700
+g = torch.Generator().manual_seed(5)
+logits = (torch.randn(rows, 768, generator=g) * 3).to(torch.bfloat16)  # a padded LM head
+temps = torch.rand(rows, generator=g) + 0.3
+temps[1] = 0.0
+seeds = torch.randint(0, 2**40, (rows,), generator=g)
+
+def batch(**flags):
+    base = dict(
+        temperature=temps, top_p=torch.ones(rows), top_k=torch.zeros(rows, dtype=torch.int64),
+        min_p=torch.zeros(rows), seeds=seeds,
+        steps=torch.arange(rows) * 3, presence_penalty=torch.zeros(rows), frequency_penalty=torch.zeros(rows),
+        repetition_penalty=torch.ones(rows), any_top_k_top_p=False, any_min_p=False, any_explicit_seed=True,
+        any_greedy=True,
+    )
+    return SamplingBatch(**{**base, **flags})
+
+calls = []
+def counted(*args, **kwargs):
+    calls.append(1)
+    return race_sample(*args, **kwargs)
+
+torch_path, one_pass = Sampler(vocab), Sampler(vocab, race=counted)
+out = {}
+for name, flags in {"plain": {}, "top_k": {"any_top_k_top_p": True}, "logprobs": {"num_logprobs": 0}}.items():
+    before = len(calls)
+    want, got = torch_path(logits, batch(**flags)), one_pass(logits, batch(**flags))
+    out[name] = {"same": want.next_tokens.tolist() == got.next_tokens.tolist(), "race": len(calls) > before,
+                 "logprobs": got.logprobs is not None}
+print(json.dumps(out))
+"""
+
+
+def test_the_sampler_takes_the_race_only_where_it_covers_the_batch(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    out = triton_interpreter(SAMPLER_SCRIPT, None)
+    # Temperatures and seeds only: the one pass, with the torch race's tokens.
+    assert out["plain"] == {"same": True, "race": True, "logprobs": False}
+    # A filter on or logprobs asked: the torch path, its tokens and its logprobs.
+    assert out["top_k"] == {"same": True, "race": False, "logprobs": False}
+    assert out["logprobs"] == {"same": True, "race": False, "logprobs": True}

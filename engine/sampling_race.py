@@ -1,22 +1,20 @@
-"""A candidate sampling kernel: the sampler's exponential race (engine/sampler.py) in one pass over the
-logits, for every row of a batch, seeded or not.
+"""The sampler's exponential race (sampler.py) in one pass over the logits, for every row of a batch,
+seeded or not: the draw the engine makes on CUDA for batches without penalties, top-k, top-p or min-p.
 
-Why: at batch 256 and Qwen3's 151,936-token vocabulary the engine now spends three passes on sampling
-after the LM head: the logits to float32 (~55 us on an H200), the division by the temperature
-(~75 us) and flashinfer's draw (~105 us) — about 4% of a step of the offline run. A batch with any
-seeded row instead takes the torch hash race, ~3.3 ms. Here each program reads a slice of one row's
-logits in their own dtype once, divides by the row's temperature, subtracts the row's counter-based
-noise (the same hash of seed, step and vocab index as `log_exponential_noise`) and keeps the running
-argmax; a second, tiny kernel picks each row's winner among its slices. Rows with temperature below
-`GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
+Why: at batch 256 and Qwen3's 151,936-token vocabulary the flashinfer path costs three passes after the
+LM head: the logits to float32 (~55 us on an H200), the division by the temperature (~75 us) and
+flashinfer's draw (~105 us), about 4% of a step of the offline run; a batch with any seeded row took
+the torch hash race instead, ~3.3 ms. Here each program reads a slice of one row's logits in their own
+dtype once, divides by the row's temperature, subtracts the row's counter-based noise (the same hash of
+seed, step and vocab index as `log_exponential_noise`; the vocab index's own hash comes from the
+`vocab_keys` table) and keeps the running argmax; a second, tiny kernel picks each row's winner among
+its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
 
-It covers the common case only: no penalties, no top-k, top-p or min-p (those keep the torch path).
 The draw is exact, like the torch race: argmax(logit / T - log E) with E ~ Exp(1) is a sample from
-softmax(logit / T). On the CPU interpreter it picks the torch race's token
-(tests/unit/test_triton_sample.py); on a GPU, `log` rounds differently, so near-ties may go the other way.
-
-A benchmark candidate (kernel_choices.py `--parts sampling` times it against the engine's path); the
-engine does not use it.
+softmax(logit / T), and it depends only on the row's seed and step, so every TP rank draws the same
+token. In Triton's CPU interpreter it picks the torch race's token (tests/unit/test_triton_sample.py);
+on a GPU `log` rounds differently, so near-ties may go the other way. Triton ships with CUDA builds of
+torch; this module is imported only on CUDA.
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.sampler import vocab_keys
+from tandem.engine.sampler import GREEDY_EPS, vocab_keys
 
-GREEDY_EPS = 1e-5  # engine/sampler.py's: temperatures below this are greedy
 _TARGET_PROGRAMS = 264  # two per SM on an H200: slices per row about this / batch, a power of 2 in [1, 64]
 
 
