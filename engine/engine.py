@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -75,6 +78,9 @@ class Engine:
             fused_draw=kernels.sample if kernels is not None else None,
             race=kernels.race_sample if kernels is not None else None,
         )
+        problem = self.sampler.warm_up()
+        if problem is not None:
+            logger.warning("%s", problem)
         # Decode graphs bake in the pool's and the backend's buffer addresses, so they come last.
         self.decode_graphs: DecodeGraphRunner | None = None
         if config.cuda_graph:

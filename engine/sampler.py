@@ -220,6 +220,31 @@ class Sampler:
             tokens = self._draw(penalised, batch)
         return _with_logprobs(raw, tokens, batch.num_logprobs)
 
+    def warm_up(self) -> str | None:
+        """Compile the one-pass race for every batch-size class it has (one per power-of-two slice
+        count), so no request pays for a Triton build, and check its tokens against the torch race on
+        a small batch. On any failure the race is switched off, and the reason returned for the log."""
+        if self._race_one_pass is None or self._vocab_keys is None:
+            return None
+        device = self._vocab_keys.device
+        g = torch.Generator(device=device).manual_seed(0)
+        logits = (torch.randn(3, self.vocab_size, generator=g, device=device) * 3).to(torch.bfloat16)
+        temperature = torch.tensor([0.7, 0.0, 1.3], device=device)
+        seeds = torch.tensor([11, 2**40 + 7, -5], device=device)
+        steps = torch.tensor([0, 3, 1000], device=device)
+        raw = logits.float()
+        scaled = raw / torch.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
+        want = torch.where(temperature < GREEDY_EPS, raw.argmax(-1), exponential_race(scaled, seeds, steps))
+        try:
+            for slices in (1, 2, 4, 8, 16, 32, 64):
+                got = self._race_one_pass(logits, temperature, seeds, steps, self._vocab_keys, slices=slices)
+                if not torch.equal(got, want):
+                    raise RuntimeError(f"tokens {got.tolist()} against the torch race's {want.tolist()}")
+        except Exception as exc:  # a build or launch failure as much as a wrong token
+            self._race_one_pass = None
+            return f"one-pass sampling race off: {exc!r}"
+        return None
+
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
         return (

@@ -100,6 +100,12 @@ for name, flags in {"plain": {}, "top_k": {"any_top_k_top_p": True}, "logprobs":
     want, got = torch_path(logits, batch(**flags)), one_pass(logits, batch(**flags))
     out[name] = {"same": want.next_tokens.tolist() == got.next_tokens.tolist(), "race": len(calls) > before,
                  "logprobs": got.logprobs is not None}
+out["warm_up"] = one_pass.warm_up()
+# A race that answers wrongly is switched off at warm-up, and the sampler keeps to the torch path.
+wrong = Sampler(vocab, race=lambda *args, **kwargs: torch.zeros(args[0].shape[0], dtype=torch.int64))
+out["wrong_warm_up"] = wrong.warm_up()
+after = wrong(logits, batch()).next_tokens
+out["wrong_after"] = after.tolist() == torch_path(logits, batch()).next_tokens.tolist()
 print(json.dumps(out))
 """
 
@@ -113,3 +119,6 @@ def test_the_sampler_takes_the_race_only_where_it_covers_the_batch(
     # A filter on or logprobs asked: the torch path, its tokens and its logprobs.
     assert out["top_k"] == {"same": True, "race": False, "logprobs": False}
     assert out["logprobs"] == {"same": True, "race": False, "logprobs": True}
+    # Warm-up builds every slice count and agrees; a wrong race is caught there and not used after.
+    assert out["warm_up"] is None
+    assert "one-pass sampling race off" in out["wrong_warm_up"] and out["wrong_after"]
