@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -101,24 +102,18 @@ def test_act_and_mul_matches_the_reference(kernels: FusedKernels, gelu: bool) ->
     close(got, act * up)
 
 
-def test_fused_draw_follows_the_softmax(kernels: FusedKernels) -> None:
-    """The sampler's unseeded draw through flashinfer: empirical frequencies match softmax(logits / T),
-    filtered (-inf) tokens never come up, greedy rows stay argmax, and the generator moves on."""
+def plain_batch(temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> Any:
+    """A SamplingBatch of temperatures and seeds only: no penalties, filters or explicit seeds."""
     from tandem.engine.batch import SamplingBatch
-    from tandem.engine.sampler import Sampler
 
-    rows, vocab, temperature = 8192, 6, 0.7
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0], device=DEVICE).repeat(rows, 1)
-    logits[:, 4] = -float("inf")  # as a top-k / top-p filter leaves it
-    temps = torch.full((rows,), temperature, device=DEVICE)
-    temps[:64] = 0.0
-    batch = SamplingBatch(
-        temperature=temps,
+    rows = temperature.shape[0]
+    return SamplingBatch(
+        temperature=temperature,
         top_p=torch.ones(rows, device=DEVICE),
         top_k=torch.zeros(rows, dtype=torch.int64, device=DEVICE),
         min_p=torch.zeros(rows, device=DEVICE),
-        seeds=torch.zeros(rows, dtype=torch.int64, device=DEVICE),
-        steps=torch.zeros(rows, dtype=torch.int64, device=DEVICE),
+        seeds=seeds,
+        steps=steps,
         presence_penalty=torch.zeros(rows, device=DEVICE),
         frequency_penalty=torch.zeros(rows, device=DEVICE),
         repetition_penalty=torch.ones(rows, device=DEVICE),
@@ -127,6 +122,20 @@ def test_fused_draw_follows_the_softmax(kernels: FusedKernels) -> None:
         any_explicit_seed=False,
         any_greedy=True,
     )
+
+
+def test_fused_draw_follows_the_softmax(kernels: FusedKernels) -> None:
+    """The sampler's unseeded draw through flashinfer: empirical frequencies match softmax(logits / T),
+    filtered (-inf) tokens never come up, greedy rows stay argmax, and the generator moves on."""
+    from tandem.engine.sampler import Sampler
+
+    rows, vocab, temperature = 8192, 6, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0], device=DEVICE).repeat(rows, 1)
+    logits[:, 4] = -float("inf")  # as a top-k / top-p filter leaves it
+    temps = torch.full((rows,), temperature, device=DEVICE)
+    temps[:64] = 0.0
+    zeros = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    batch = plain_batch(temps, zeros, zeros)
     sampler = Sampler(vocab, device=DEVICE, fused_draw=kernels.sample)
     first = sampler(logits, batch).next_tokens
     second = sampler(logits, batch).next_tokens
@@ -191,7 +200,6 @@ def test_one_pass_race_follows_the_softmax(kernels: FusedKernels) -> None:
     """The sampler's one-pass race (sampling_race.py) on bf16 logits of a padded LM head: frequencies
     match softmax(logits / T), a -inf token never comes up, greedy rows stay argmax, and the tokens are
     the torch race's for the same seeds and steps (bar near-ties, where GPU `log` rounds otherwise)."""
-    from tandem.engine.batch import SamplingBatch
     from tandem.engine.sampler import Sampler
 
     assert kernels.race_sample is not None  # CUDA builds of torch bring Triton
@@ -201,21 +209,8 @@ def test_one_pass_race_follows_the_softmax(kernels: FusedKernels) -> None:
     logits = logits.to(BF16)  # columns 6 and 7 are the head's padding, past the vocabulary
     temps = torch.full((rows,), temperature, device=DEVICE)
     temps[:64] = 0.0
-    batch = SamplingBatch(
-        temperature=temps,
-        top_p=torch.ones(rows, device=DEVICE),
-        top_k=torch.zeros(rows, dtype=torch.int64, device=DEVICE),
-        min_p=torch.zeros(rows, device=DEVICE),
-        seeds=torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 1,
-        steps=torch.full((rows,), 3, dtype=torch.int64, device=DEVICE),
-        presence_penalty=torch.zeros(rows, device=DEVICE),
-        frequency_penalty=torch.zeros(rows, device=DEVICE),
-        repetition_penalty=torch.ones(rows, device=DEVICE),
-        any_top_k_top_p=False,
-        any_min_p=False,
-        any_explicit_seed=False,
-        any_greedy=True,
-    )
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 1
+    batch = plain_batch(temps, seeds, torch.full((rows,), 3, dtype=torch.int64, device=DEVICE))
     drawn = Sampler(vocab, device=DEVICE, race=kernels.race_sample)(logits, batch).next_tokens
     assert drawn.dtype == torch.int64
     assert bool((drawn[:64] == 5).all()), "greedy rows must stay argmax"
