@@ -42,7 +42,7 @@ class RuntimeOptions:
     # Engine ablation switches (EngineConfig.switches() records what actually ran).
     attention_backend: str = "auto"  # "auto" (flashinfer on CUDA), "flashinfer" or "torch"
     piecewise_cuda_graph: bool = True
-    fused_kernels: bool = True  # flashinfer norm/rope kernels on CUDA (off: the torch reference ops)
+    fused_kernels: bool = True  # flashinfer and Triton kernels on CUDA (off: the torch reference ops)
     cuda_graph_max_bs: int = 256
     piecewise_max_tokens: int = 2048
 
