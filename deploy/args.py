@@ -75,7 +75,8 @@ class EngineArgs(BaseModel):
         default=None, description="Copy sampled tokens to the host on a dedicated CUDA stream."
     )
     fused_kernels: bool | None = Field(
-        default=None, description="flashinfer's fused RMS-norm and rope kernels instead of torch ops."
+        default=None,
+        description="Fused flashinfer and Triton kernels (norms, rope, sampling) on CUDA, not torch ops.",
     )
     cuda_graph_max_bs: int | None = Field(
         default=None, ge=1, description="Largest decode batch captured as a CUDA graph."
