@@ -103,7 +103,9 @@ def race_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, slices, SLICES: tl.c
     idx = tl.load(best_idx_ptr + row * slices + lane, mask=valid, other=2147483647)
     top = tl.max(val, axis=0)
     # Slices are in vocab order, so the lowest index among the tied maxima is torch.argmax's answer.
-    tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2147483647), axis=0).to(tl.int64))
+    first = tl.min(tl.where(val == top, idx, 2147483647), axis=0)
+    # A row with nothing above -inf (or only NaN) keeps no index: 0, as torch.argmax of all -inf gives.
+    tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
 
 
 def column_keys(vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -46,9 +46,12 @@ for rows, vocab, width, block, slices, dtype in json.loads(sys.argv[1]):
     tied = torch.zeros(rows, width).to(getattr(torch, dtype))
     tied[:, [3, 3 + block, vocab - 1]] = 5.0
     ties = race_sample(tied, torch.zeros(rows), seeds, steps, columns, **shape)
+    # Nothing above -inf: index 0, torch.argmax's answer, never an index past the vocabulary.
+    dead = torch.full((rows, width), float("-inf")).to(getattr(torch, dtype))
+    dead_got = race_sample(dead, temperature, seeds, steps, columns, **shape)
     out.append({"got": got.tolist(), "want": want.tolist(), "noise_got": noise_got.tolist(),
                 "noise_want": noise_want.tolist(), "dtype": str(got.dtype), "ties": ties.tolist(),
-                "tie_want": [3] * rows})
+                "tie_want": [3] * rows, "dead": dead_got.tolist()})
 print(json.dumps(out))
 """
 
@@ -63,6 +66,7 @@ def test_picks_the_torch_race_token_in_the_interpreter(
         assert result["got"] == result["want"], (case, result)
         assert result["noise_got"] == result["noise_want"], (case, result)
         assert result["ties"] == result["tie_want"], (case, result)
+        assert result["dead"] == [0] * case[0], (case, result)
 
 
 SAMPLER_SCRIPT = """
