@@ -69,6 +69,11 @@ def vocab_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32_(torch.arange(vocab_size, device=device, dtype=torch.int64) ^ 0x632BE5AB)
 
 
+def race_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`vocab_keys` as int32 bit patterns, the table sampling_race.py reads (wraps above 2^31, same bits)."""
+    return vocab_keys(vocab_size, device).to(torch.int32)
+
+
 def _log_exponential_(bits: torch.Tensor) -> torch.Tensor:
     """Uniform 32-bit hashes (consumed) to log E, E ~ Exp(1) by inversion: E = -log(u)."""
     # The top 24 bits, forced odd, give u = (2j + 1) / 2^24: exact in float32 and strictly inside (0, 1),
@@ -154,8 +159,8 @@ def exponential_race(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
 
 # (scaled logits [B, V], generator) -> int64 [B]: one draw per row from softmax(scaled).
 FusedDraw = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-# sampling_race.race_sample: (logits [B, V'], temperature, seeds, steps, vocab keys as int32, *,
-# vocab_size) -> int64 [B], the exponential race (plain argmax for greedy rows) in one pass.
+# sampling_race.race_sample: (logits [B, V'], temperature, seeds, steps, race_keys, *, vocab_size)
+# -> int64 [B], the exponential race (plain argmax for greedy rows) in one pass.
 RaceSample = Callable[..., torch.Tensor]
 
 
@@ -189,9 +194,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._fused_draw = fused_draw
         self._race_one_pass = race
-        self._vocab_keys = (
-            None if race is None else vocab_keys(vocab_size, device or torch.device("cpu")).to(torch.int32)
-        )
+        self._vocab_keys = None if race is None else race_keys(vocab_size, device or torch.device("cpu"))
         self._race = torch.compile(exponential_race, dynamic=True) if fuse else exponential_race
         # For batches where no row brought a seed: one exponential_ kernel instead of the hash.
         self._generator = torch.Generator(device=device or "cpu")

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.sampler import GREEDY_EPS, vocab_keys
+from tandem.engine.sampler import GREEDY_EPS
 
 _TARGET_PROGRAMS = 264  # two per SM on an H200: slices per row about this / batch, a power of 2 in [1, 64]
 
@@ -108,11 +108,6 @@ def race_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, slices, SLICES: tl.c
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
 
 
-def column_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """`vocab_keys` as int32 bit patterns: the table race_sample reads (compute it once per vocabulary)."""
-    return vocab_keys(vocab_size, device).to(torch.int32)  # wraps above 2^31, keeping the bits
-
-
 def race_sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -127,13 +122,13 @@ def race_sample(
     """int64 [B]: per row, argmax(logits / T - log E(seed, step, v)) over the first `vocab_size`
     columns; the plain argmax where T < GREEDY_EPS. logits [B, V'] in any float dtype (rows may be
     strided, V' >= vocab_size), temperature float32 [B], seeds and steps int64 [B], `columns` from
-    `column_keys(vocab_size)`."""
+    `sampler.race_keys(vocab_size)`."""
     rows = logits.shape[0]
     vocab = vocab_size or logits.shape[1]
     if logits.stride(1) != 1 or vocab > logits.shape[1]:
         raise ValueError("logits need a contiguous last dim holding at least vocab_size columns")
     if columns.dtype != torch.int32 or columns.shape[0] < vocab:
-        raise ValueError("columns must be column_keys(vocab_size): int32 with one key per column")
+        raise ValueError("columns must be sampler.race_keys(vocab_size): int32, one key per column")
     if slices is None:
         # Powers of two: each slice count is a compiled variant (the blocks per slice are a constant).
         slices = min(64, triton.next_power_of_2(-(-_TARGET_PROGRAMS // max(rows, 1))))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tandem.engine.config import RopeConfig
+from tandem.engine.sampler import RaceSample
 
 # qk_norm_rope.qk_norm_rope: (qkv, positions, q_weight, k_weight, table, *, num_heads, num_kv_heads, eps,
 # gemma) -> (q [T, H, D], k [T, Hkv, D]), both contiguous.
@@ -41,7 +42,7 @@ class FusedKernels:
         # twice and `rope`, with the same float32 math and roundings; None where Triton is missing.
         self.qk_norm_rope: QKNormRope | None = _triton_qk_norm_rope()
         # The sampler's race in one pass over the logits (sampling_race.py); None where Triton is missing.
-        self.race_sample: Callable[..., torch.Tensor] | None = _triton_race_sample()
+        self.race_sample: RaceSample | None = _triton_race_sample()
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -116,7 +117,7 @@ def _triton_qk_norm_rope() -> QKNormRope | None:
     return qk_norm_rope
 
 
-def _triton_race_sample() -> Callable[..., torch.Tensor] | None:
+def _triton_race_sample() -> RaceSample | None:
     try:
         from tandem.engine.sampling_race import race_sample
     except ImportError:

@@ -17,7 +17,8 @@ CASES = [
 ]
 SCRIPT = """
 import json, sys, torch
-from tandem.engine.sampling_race import column_keys, race_sample
+from tandem.engine.sampler import race_keys
+from tandem.engine.sampling_race import race_sample
 from tandem.engine.sampler import exponential_race
 
 out = []
@@ -28,7 +29,7 @@ for rows, vocab, width, block, slices, dtype in json.loads(sys.argv[1]):
     temperature[0] = 0.0  # a greedy row
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=g)
     steps = torch.randint(0, 5000, (rows,), generator=g)
-    columns = column_keys(vocab, torch.device("cpu"))
+    columns = race_keys(vocab, torch.device("cpu"))
     shape = {"vocab_size": vocab, "block": block, "slices": slices}
     got = race_sample(logits, temperature, seeds, steps, columns, **shape)
     raw = logits[:, :vocab].float()
