@@ -96,13 +96,7 @@ def _build(spec: Any) -> float:
         text=True,
         check=False,
     )
-    library = spec.jit_library_path
-    # A library linked from empty objects (a cache packed after such a relink) is a few kB; a real one
-    # is hundreds of kB at least.
-    hollow = library.exists() and library.stat().st_size < 100_000
-    if hollow:
-        library.unlink()
-    if hollow or "no work to do" not in dry.stdout:
+    if "no work to do" not in dry.stdout:
         for obj in spec.build_dir.glob("*.o"):
             if obj.stat().st_size == 0:
                 obj.unlink()
