@@ -33,7 +33,8 @@ def test_staging_round_trips_mixed_arrays_at_aligned_offsets() -> None:
             assert view.shape == array.shape
             assert view.numpy().dtype == np.dtype(dtype)
             np.testing.assert_array_equal(view.numpy(), array.astype(dtype))
-            assert view.data_ptr() % 8 == 0 or view.numel() == 0
+            # 16 bytes: what Triton specialises its pointer arguments on
+            assert view.data_ptr() % 16 == 0 or view.numel() == 0
 
 
 def test_staging_rejects_dtypes_the_engine_does_not_take() -> None:
