@@ -62,7 +62,7 @@ case $PHASE in
     for run in haproxy-r1 haproxy-r2 proxy-r1; do
       mode=${run%-*}
       run "serve-$run" 200 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \
-        --num-cpus 16 --tag "h200-tiny-$run" --results-dir "$OUT"
+        --num-cpus 16 --requests 200 --tag "h200-tiny-$run" --results-dir "$OUT"
       ray stop --force >/dev/null 2>&1
       grep -h "serve overhead\|probes" "$OUT/serve-$run.log"
     done ;;

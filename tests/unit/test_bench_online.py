@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -260,3 +261,26 @@ def test_json_has_device_commit_config_and_points(tmp_path: Path) -> None:
             assert key in point
     if doc["plot"] is not None:  # matplotlib is optional
         assert (tmp_path / doc["plot"]).stat().st_size > 0
+
+
+def test_serve_overhead_paired_median_is_robust_to_host_stalls() -> None:
+    from tandem.benchmarks.serve_overhead import Side, overhead_summary
+
+    args = argparse.Namespace(overhead_input_len=32, overhead_max_tokens=4)
+    # HTTP costs 1 ms more per pair; the host stalled for pairs 4-5 (both halves) and for pair 3's HTTP half.
+    local = Side(ttft_s=[0.010, 0.010, 0.010, 0.030, 0.030])
+    http = Side(ttft_s=[0.011, 0.011, 0.031, 0.031, 0.031])
+    paired = overhead_summary(http, local, args, order="interleaved pairs", paired=True)
+    assert paired["overhead_ms_paired_p50"] == pytest.approx(1.0)
+    assert paired["overhead_ms_p50"] == pytest.approx(21.0)  # the medians moved apart
+    # One lost request would misalign the pairs: no paired figure then, only the difference of medians.
+    broken = overhead_summary(
+        Side(ttft_s=http.ttft_s[1:], errors=["http: timeout"]),
+        local,
+        args,
+        order="interleaved pairs",
+        paired=True,
+    )
+    assert broken["overhead_ms_paired_p50"] is None and broken["failed"] == 1
+    sides = overhead_summary(http, local, args, order="in-process, then HTTP")
+    assert sides["overhead_ms_paired_p50"] is None
