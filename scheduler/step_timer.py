@@ -3,6 +3,8 @@
 Each phase is also a `torch.profiler.record_function` range, so a trace shows the same names. Without a
 profiler, the totals answer the first question about a slow run: is the step bound by the host
 (schedule + launch + processing) or by the device (`wait`, the time blocked on the copy-done event)?
+The longest call and the count of calls over `STALL_S` answer the second: is a slow phase slow on every
+step, or on a few that stalled (a kernel build, a pinned allocation, a hidden synchronisation)?
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from contextlib import contextmanager
 
 from torch.profiler import record_function
 
+STALL_S = 0.010  # a call this long is a stall: a whole decode step of a small model takes a few ms
+
 
 class StepTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.longest: dict[str, float] = {}
+        self.stalls: dict[str, int] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -26,20 +32,25 @@ class StepTimer:
             with record_function(f"tandem.{name}"):
                 yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + took
             self.calls[name] = self.calls.get(name, 0) + 1
+            self.longest[name] = max(self.longest.get(name, 0.0), took)
+            self.stalls[name] = self.stalls.get(name, 0) + (took >= STALL_S)
 
     def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
+        for totals in (self.seconds, self.calls, self.longest, self.stalls):
+            totals.clear()
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per phase: total seconds, calls, and mean milliseconds per call."""
+        """Per phase: total seconds, calls, mean and longest milliseconds per call, and stalled calls."""
         return {
             name: {
                 "total_s": round(total, 6),
                 "calls": self.calls[name],
                 "mean_ms": round(1e3 * total / self.calls[name], 4),
+                "max_ms": round(1e3 * self.longest[name], 4),
+                "stalls": self.stalls[name],
             }
             for name, total in self.seconds.items()
         }

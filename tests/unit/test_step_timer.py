@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.scheduler.step_timer import StepTimer
+from tandem.scheduler.step_timer import STALL_S, StepTimer
 
 
 def test_phases_accumulate_and_reset() -> None:
@@ -23,6 +23,11 @@ def test_phases_accumulate_and_reset() -> None:
     assert summary["a"]["calls"] == 3 and summary["b"]["calls"] == 1
     assert summary["a"]["total_s"] >= 0.006
     assert summary["a"]["mean_ms"] == pytest.approx(1e3 * summary["a"]["total_s"] / 3, rel=1e-3)
+    assert summary["a"]["mean_ms"] <= summary["a"]["max_ms"]
+    with timer.phase("a"):  # one stalled call: counted, and it is the longest
+        time.sleep(STALL_S)
+    after = timer.summary()["a"]
+    assert after["stalls"] == summary["a"]["stalls"] + 1 and after["max_ms"] >= 1e3 * STALL_S
     timer.reset()
     assert timer.summary() == {}
 
