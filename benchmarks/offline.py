@@ -238,9 +238,11 @@ def main() -> None:
         runs[name] = run_one(model_dir, ABLATIONS[name], prompts, params, args)
         runs[name]["percent_of_roofline"] = 100 * floor["floor_s"] / runs[name]["elapsed_s"]
         wait = runs[name]["step_phases"].get("wait", {}).get("mean_ms")
+        launch = runs[name]["step_phases"].get("launch", {})
         print(
             f"{name}: {runs[name]['output_tok_per_s']:.0f} output tok/s; host "
-            f"{runs[name]['host_ms_per_step']} ms/step, device wait {wait} ms/step",
+            f"{runs[name]['host_ms_per_step']} ms/step, device wait {wait} ms/step; launch longest "
+            f"{launch.get('max_ms')} ms, {launch.get('stalls')} stalled",
             flush=True,
         )
     peer = None
