@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A GPU host session in a few commands (device time is scarce). Each phase sends its logs and results to
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
-#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve|tp2 [OUT]
+#   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve|tp2|diag [OUT]
 # About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
-# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5, tp2 5 (two GPUs).
+# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5, tp2 5 (two GPUs), diag 4.
 set -uo pipefail
-PHASE=${1:?phase: tests, probe, offline, latency, profile, hf, serve or tp2}; OUT=${2:-${OUT:-/tmp/gpu-session}}
+PHASE=${1:?phase: tests, probe, offline, latency, profile, hf, serve, tp2 or diag}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
 export TANDEM_COMMIT=${TANDEM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 run() {  # name, timeout in s, command...: log to OUT/name.log, say how it ended
@@ -66,5 +66,13 @@ case $PHASE in
       ray stop --force >/dev/null 2>&1
       grep -h "serve overhead\|probes" "$OUT/serve-$run.log"
     done ;;
+  diag)
+    # Where host time goes: the tiny model's loop steps under torch.profiler (a step launched in ~4 ms
+    # on an H200), then an offline run whose first setting (slower than a second one in the same
+    # process: 3.5 against 1.5 ms of launch per step) reports its longest launch and stall count.
+    run rank-ttft 200 python3 benchmarks/rank_ttft.py --device cuda --profile 10 --out-dir "$OUT"
+    grep "overlap" "$OUT/rank-ttft.log"; head -28 "$OUT/rank-ttft-cuda-overlap-profile.txt" | cut -c1-150
+    run order 240 python3 benchmarks/offline.py --ablations no-copy-stream,all-on --tag order --out-dir "$OUT"
+    tr '\r' '\n' < "$OUT/order.log" | grep "tok/s;" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac

@@ -7,6 +7,11 @@ the time from handing the request to the loop until the loop emits its first tok
 that took, and the loop's phases per step (schedule, launch, process_results with `wait` inside it).
 
     python benchmarks/rank_ttft.py --device cuda --out-dir OUT
+    python benchmarks/rank_ttft.py --device cuda --profile 10 --out-dir OUT   # and where the host time goes
+
+`--profile N` runs N more requests per setting under torch.profiler and writes the host ops by self CPU
+time (rank-ttft-<device>-<setting>-profile.txt): a step of the tiny model launched in ~4 ms on an H200,
+a hidden synchronisation or pinned allocation shows up there by name.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 
 
 def measure(
-    runtime: RankRuntime, emitted: list[float], requests: int, prompt_len: int, max_tokens: int
+    runtime: RankRuntime,
+    emitted: list[float],
+    requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    warmup: int = 3,
 ) -> dict[str, Any]:
     """Per request: seconds to the first emitted token and to the last, and loop steps to the first.
     `emitted` is where the runtime's emit callback appends the time of each batch of outputs."""
@@ -40,7 +50,7 @@ def measure(
         return msgs
 
     first, total, steps = [], [], []
-    for i in range(requests + 3):  # the first 3 warm up
+    for i in range(requests + warmup):
         emitted.clear()
         prompt = [(i * 7 + k) % 400 + 5 for k in range(prompt_len)]
         spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -53,7 +63,7 @@ def measure(
                 to_first = count
             if not runtime.busy:
                 break
-        if i >= 3 and emitted and to_first is not None:
+        if i >= warmup and emitted and to_first is not None:
             first.append(emitted[0] - start)
             total.append(emitted[-1] - start)
             steps.append(to_first)
@@ -65,12 +75,29 @@ def measure(
     }
 
 
+def profile_table(
+    runtime: RankRuntime, emitted: list[float], requests: int, prompt_len: int, max_tokens: int
+) -> str:
+    """`requests` more requests under torch.profiler: the ops by self CPU time, as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        measure(runtime, emitted, requests, prompt_len, max_tokens, warmup=0)
+    return str(
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument(
+        "--profile", type=int, default=0, help="Requests to run under torch.profiler after timing."
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     rows = []
@@ -90,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         row["step_phases"] = runtime.scheduler.timer.summary()
         rows.append(row)
         print({k: v for k, v in row.items() if k != "step_phases"}, flush=True)
+        if args.profile:
+            table = profile_table(runtime, emitted, args.profile, args.prompt_len, args.max_tokens)
+            setting = "overlap" if overlap else "no-overlap"
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            (args.out_dir / f"rank-ttft-{args.device}-{setting}-profile.txt").write_text(table)
+            print("\n".join(table.splitlines()[:20]), flush=True)
         del runtime
         gc.collect()
         if torch.cuda.is_available():

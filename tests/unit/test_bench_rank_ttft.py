@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tandem.benchmarks.rank_ttft import measure
+from tandem.benchmarks.rank_ttft import measure, profile_table
 from tandem.engine.distributed import TPGroup
 from tandem.engine.tiny.factory import default_model_dir
 from tandem.scheduler.messages import TokenOutput
@@ -26,3 +26,16 @@ def test_first_token_steps_with_and_without_overlap() -> None:
         assert row["steps_to_first_token"] == steps, (overlap, row)
         assert 0 < row["ttft_ms_p50"] <= row["e2e_ms_p50"]
         assert not runtime.busy
+
+
+def test_profile_names_the_loop_phases_and_their_ops() -> None:
+    emitted: list[float] = []
+
+    def emit(outputs: list[TokenOutput]) -> None:
+        emitted.append(time.perf_counter())
+
+    runtime = RankRuntime(default_model_dir(), RuntimeOptions(device="cpu", overlap=True), TPGroup(), emit)
+    table = profile_table(runtime, emitted, requests=2, prompt_len=8, max_tokens=2)
+    for name in ("tandem.schedule", "tandem.launch", "tandem.process_results", "aten::mm"):
+        assert name in table, name
+    assert not runtime.busy
