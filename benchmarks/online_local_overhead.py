@@ -30,6 +30,12 @@ APP = "tandem"
 MODEL = "tandem-tiny"
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -89,16 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         choices=["pairs", "sides"],
         default=None,
         help="pairs (default): HTTP and in-process requests alternate, so drift on the host hits both "
-        "sides alike; on cuda both engines share the one GPU (see --gpu-share). sides: the in-process "
-        "side runs first, on its own, and the app is deployed after it.",
+        "sides alike; on cuda each engine gets a GPU of its own when the host has two, else both share "
+        "the one GPU (see --gpu-share). sides: the in-process side runs first, on its own, and the app "
+        "is deployed after it.",
     )
     p.add_argument(
         "--gpu-share",
         type=float,
         default=0.3,
-        help="With --device cuda and pairs: the GPU memory share of each engine. mem_fraction caps all the "
-        "device's use, so the app (deployed first) gets this and the in-process engine twice this. Ray "
-        "is told of two GPUs and leaves CUDA_VISIBLE_DEVICES alone, so both ranks land on device 0.",
+        help="With --device cuda, pairs and one GPU: the GPU memory share of each engine. mem_fraction caps "
+        "all the device's use, so the app (deployed first) gets this and the in-process engine twice "
+        "this. Ray is told of two GPUs and leaves CUDA_VISIBLE_DEVICES alone, so both ranks land on "
+        "device 0.",
+    )
+    p.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="With --device cuda and pairs: both engines on GPU 0 even when the host has more. Two "
+        "processes on one GPU time-slice it, which may add to either side's TTFT.",
     )
     args = p.parse_args(argv)
 
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in ray_environment(args.ingress).items():  # as `tandem serve` does
         os.environ.setdefault(key, value)
     order = args.order or "pairs"
-    share_gpu = args.device == "cuda" and order == "pairs"
+    share_gpu = args.device == "cuda" and order == "pairs" and (args.one_gpu or _visible_gpus() < 2)
     engine: dict[str, Any] = {"mem_fraction": args.gpu_share} if share_gpu else {}
     local_engine = {"mem_fraction": 2 * args.gpu_share} if share_gpu else {}
     num_gpus = None
