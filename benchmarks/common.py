@@ -135,6 +135,28 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def allocator_counters() -> dict[str, float]:
+    """Running totals of the CUDA allocators' slow paths: pinned host blocks created (cudaHostAlloc) and
+    the time they took, device segments created (cudaMalloc) and allocation retries (a full cache flushed
+    and tried again). Differences across a run say whether it grew either pool; empty off CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    counters: dict[str, float] = {}
+    device = torch.cuda.memory_stats()
+    counters["device_mallocs"] = device.get("num_device_alloc", 0)
+    counters["device_alloc_retries"] = device.get("num_alloc_retries", 0)
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        host = host_stats()
+        counters["pinned_allocs"] = host.get("num_host_alloc", 0)
+        counters["pinned_alloc_ms"] = host.get("host_alloc_time.total", 0) / 1e3
+    return counters
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: round(after[key] - before.get(key, 0), 3) for key in after}
+
+
 def write_result(
     name: str, payload: dict[str, Any], *, device: torch.device, out_dir: Path = RESULTS
 ) -> Path:

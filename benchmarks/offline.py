@@ -28,7 +28,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import (
     RESULTS,
+    allocator_counters,
     bar_chart,
+    counter_deltas,
     measure_ceilings,
     print_table,
     release_memory,
@@ -123,10 +125,12 @@ def run_one(
     sync(engine.config.device)
     timer = llm.runtime.scheduler.timer
     timer.reset()
+    counters = allocator_counters()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync(engine.config.device)
     elapsed = time.perf_counter() - start
+    allocations = counter_deltas(counters, allocator_counters())
     phases = timer.summary()
     output_tokens = sum(len(o.token_ids) for o in outs)
     assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos runs must produce every token"
@@ -142,6 +146,8 @@ def run_one(
         # `process_results`; the rest of schedule + launch + process_results is host time.
         "step_phases": phases,
         "host_ms_per_step": host_ms_per_step(phases),
+        # Allocator slow paths during the timed run (cudaHostAlloc, cudaMalloc): why a first run may lag.
+        "allocations": allocations,
     }
     llm.shutdown()
     del llm, engine
@@ -242,7 +248,7 @@ def main() -> None:
         print(
             f"{name}: {runs[name]['output_tok_per_s']:.0f} output tok/s; host "
             f"{runs[name]['host_ms_per_step']} ms/step, device wait {wait} ms/step; launch longest "
-            f"{launch.get('max_ms')} ms, {launch.get('stalls')} stalled",
+            f"{launch.get('max_ms')} ms, {launch.get('stalls')} stalled; {runs[name]['allocations']}",
             flush=True,
         )
     peer = None

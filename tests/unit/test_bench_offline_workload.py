@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import random
 
+import torch
+
 from tandem.benchmarks.offline import workload
 
 
@@ -20,3 +22,14 @@ def test_the_draws_follow_nano_vllm() -> None:
     assert [p.max_tokens for p in params] == want_outputs
     assert sum(want_outputs) == 133_966  # the figure the benchmark is specified with
     assert all(p.temperature == 0.6 and p.ignore_eos for p in params)
+
+
+def test_allocator_counter_deltas() -> None:
+    from tandem.benchmarks.common import allocator_counters, counter_deltas
+
+    assert counter_deltas({"pinned_allocs": 3}, {"pinned_allocs": 5, "device_mallocs": 2}) == {
+        "pinned_allocs": 2,
+        "device_mallocs": 2,
+    }
+    if not torch.cuda.is_available():
+        assert allocator_counters() == {}  # nothing to count off CUDA
