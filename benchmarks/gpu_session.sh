@@ -72,6 +72,7 @@ case $PHASE in
     # process: 3.5 against 1.5 ms of launch per step) reports its longest launch and stall count.
     run rank-ttft 200 python3 benchmarks/rank_ttft.py --device cuda --profile 10 --out-dir "$OUT"
     grep "overlap" "$OUT/rank-ttft.log"; head -28 "$OUT/rank-ttft-cuda-overlap-profile.txt" | cut -c1-150
+    grep -A22 "ncalls" "$OUT/rank-ttft-cuda-overlap-python.txt" | cut -c1-150
     run order 240 python3 benchmarks/offline.py --ablations no-copy-stream,all-on --tag order --out-dir "$OUT"
     tr '\r' '\n' < "$OUT/order.log" | grep "tok/s;" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;

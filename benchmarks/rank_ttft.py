@@ -11,7 +11,8 @@ that took, and the loop's phases per step (schedule, launch, process_results wit
 
 `--profile N` runs N more requests per setting under torch.profiler and writes the host ops by self CPU
 time (rank-ttft-<device>-<setting>-profile.txt): a step of the tiny model launched in ~4 ms on an H200,
-a hidden synchronisation or pinned allocation shows up there by name.
+a hidden synchronisation or pinned allocation shows up there by name. Then N more under cProfile
+(...-python.txt, by cumulative time): the Python functions the profiler's ops do not name (planners).
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def profile_table(
     )
 
 
+def python_profile(
+    runtime: RankRuntime, emitted: list[float], requests: int, prompt_len: int, max_tokens: int
+) -> str:
+    """`requests` more requests under cProfile: the 40 functions with the most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(measure, runtime, emitted, requests, prompt_len, max_tokens, 0)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+    return text.getvalue()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -123,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             (args.out_dir / f"rank-ttft-{args.device}-{setting}-profile.txt").write_text(table)
             print("\n".join(table.splitlines()[:20]), flush=True)
+            calls = python_profile(runtime, emitted, args.profile, args.prompt_len, args.max_tokens)
+            (args.out_dir / f"rank-ttft-{args.device}-{setting}-python.txt").write_text(calls)
         del runtime
         gc.collect()
         if torch.cuda.is_available():

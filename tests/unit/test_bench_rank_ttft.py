@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tandem.benchmarks.rank_ttft import measure, profile_table
+from tandem.benchmarks.rank_ttft import measure, profile_table, python_profile
 from tandem.engine.distributed import TPGroup
 from tandem.engine.tiny.factory import default_model_dir
 from tandem.scheduler.messages import TokenOutput
@@ -38,4 +38,6 @@ def test_profile_names_the_loop_phases_and_their_ops() -> None:
     table = profile_table(runtime, emitted, requests=2, prompt_len=8, max_tokens=2)
     for name in ("tandem.schedule", "tandem.launch", "tandem.process_results", "aten::mm"):
         assert name in table, name
+    calls = python_profile(runtime, emitted, requests=2, prompt_len=8, max_tokens=2)
+    assert "overlap_step" in calls and "cumulative" in calls
     assert not runtime.busy
