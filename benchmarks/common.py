@@ -146,8 +146,11 @@ def allocator_counters() -> dict[str, float]:
     counters["device_mallocs"] = device.get("num_device_alloc", 0)
     counters["device_alloc_retries"] = device.get("num_alloc_retries", 0)
     host_stats = getattr(torch.cuda, "host_memory_stats", None)
-    if host_stats is not None:
-        host = host_stats()
+    try:  # a diagnostic: a torch without these statistics must not stop the benchmark
+        host = host_stats() if host_stats is not None else None
+    except RuntimeError:
+        host = None
+    if host is not None:
         counters["pinned_allocs"] = host.get("num_host_alloc", 0)
         counters["pinned_alloc_ms"] = host.get("host_alloc_time.total", 0) / 1e3
     return counters
