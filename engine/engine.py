@@ -78,7 +78,7 @@ class Engine:
             fused_draw=kernels.sample if kernels is not None else None,
             race=kernels.race_sample if kernels is not None else None,
         )
-        problem = self.sampler.warm_up()
+        problem = self.sampler.warm_up(self.model.logits_dtype)
         if problem is not None:
             logger.warning("%s", problem)
         # Decode graphs bake in the pool's and the backend's buffer addresses, so they come last.

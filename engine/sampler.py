@@ -223,15 +223,19 @@ class Sampler:
             tokens = self._draw(penalised, batch)
         return _with_logprobs(raw, tokens, batch.num_logprobs)
 
-    def warm_up(self) -> str | None:
+    def warm_up(self, logits_dtype: torch.dtype) -> str | None:
         """Compile the one-pass race for every batch-size class it has (one per power-of-two slice
-        count), so no request pays for a Triton build, and check its tokens against the torch race on
-        a small batch. On any failure the race is switched off, and the reason returned for the log."""
+        count), for logits of `logits_dtype` as the model hands them over (Triton builds a kernel per
+        input dtype: warmed for another, the first requests would pay for seven builds), so no request
+        waits on a build, and check its tokens against the torch race on a small batch. On any failure
+        the race is switched off, and the reason returned for the log."""
         if self._race_one_pass is None or self._vocab_keys is None:
             return None
         device = self._vocab_keys.device
         g = torch.Generator(device=device).manual_seed(0)
+        # Values a bf16 LM head could give, whatever dtype they travel in.
         logits = (torch.randn(3, self.vocab_size, generator=g, device=device) * 3).to(torch.bfloat16)
+        logits = logits.to(logits_dtype)
         temperature = torch.tensor([0.7, 0.0, 1.3], device=device)
         seeds = torch.tensor([11, 2**40 + 7, -5], device=device)
         steps = torch.tensor([0, 3, 1000], device=device)

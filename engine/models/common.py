@@ -256,6 +256,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM. Subclasses set `traits`; everything else comes from the config."""
 
     traits = Traits()
+    # What compute_logits returns, so the sampler's Triton race is built for it at start (Triton builds
+    # one kernel per input dtype).
+    logits_dtype = torch.float32
 
     def __init__(
         self,
@@ -283,7 +286,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).to(self.logits_dtype)
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

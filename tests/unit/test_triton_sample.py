@@ -105,10 +105,10 @@ for name, flags in {"plain": {}, "top_k": {"any_top_k_top_p": True}, "logprobs":
     want, got = torch_path(logits, batch(**flags)), one_pass(logits, batch(**flags))
     out[name] = {"same": want.next_tokens.tolist() == got.next_tokens.tolist(), "race": len(calls) > before,
                  "logprobs": got.logprobs is not None}
-out["warm_up"] = one_pass.warm_up()
+out["warm_up"] = one_pass.warm_up(torch.float32)
 # A race that answers wrongly is switched off at warm-up, and the sampler keeps to the torch path.
 wrong = Sampler(vocab, race=lambda *args, **kwargs: torch.zeros(args[0].shape[0], dtype=torch.int64))
-out["wrong_warm_up"] = wrong.warm_up()
+out["wrong_warm_up"] = wrong.warm_up(torch.float32)
 after = wrong(logits, batch()).next_tokens
 out["wrong_after"] = after.tolist() == torch_path(logits, batch()).next_tokens.tolist()
 print(json.dumps(out))
