@@ -43,7 +43,7 @@ from tandem.benchmarks.engine_steps import sampling
 from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 from tandem.benchmarks.qk_norm_rope_variants import qk_norm_rope_rows
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import Sampler, race_keys
 
 LLAMA = {
     "name": "llama-8b",
@@ -236,9 +236,21 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
                 "fi_from_logits": kernel_us(fused),
                 "flashinfer_path_bf16": kernel_us(functools.partial(before, half, batch)),
                 "race_path_bf16": kernel_us(functools.partial(race, half, batch)),
+                "race_path_float32": kernel_us(functools.partial(race, logits, batch)),
+                # The race kernel alone per slice count (its programs are batch x slices).
+                "race_slices_bf16": race_sweep(kernel_us, kernels.race_sample, half, batch),
+                "race_slices_float32": race_sweep(kernel_us, kernels.race_sample, logits, batch),
             }
         )
     return rows
+
+
+def race_sweep(
+    kernel_us: Callable[[Callable[[], object]], float], race: Any, logits: torch.Tensor, batch: Any
+) -> dict[int, float]:
+    keys = race_keys(logits.shape[1], logits.device)
+    args = (logits, batch.temperature, batch.seeds, batch.steps, keys)
+    return {s: kernel_us(functools.partial(race, *args, slices=s)) for s in (1, 2, 4, 8, 16, 32, 64)}
 
 
 def _run_attention(wrapper: Any, q: torch.Tensor, caches: list[Any], out: torch.Tensor, i: int) -> None:

@@ -120,7 +120,7 @@ class Engine:
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 [B, vocab] for each row's last token (the forward without sampling)."""
+        """[B, vocab] for each row's last token, in `model.logits_dtype` (the forward without sampling)."""
         graphs = self.decode_graphs
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
         if graphs is not None and graph_bs is not None:

@@ -256,9 +256,6 @@ class CausalLM(nn.Module):
     """A decoder-only LM. Subclasses set `traits`; everything else comes from the config."""
 
     traits = Traits()
-    # What compute_logits returns, so the sampler's Triton race is built for it at start (Triton builds
-    # one kernel per input dtype).
-    logits_dtype = torch.float32
 
     def __init__(
         self,
@@ -273,6 +270,11 @@ class CausalLM(nn.Module):
         b = Build(config, self.traits, tp, dtype, device, kernels)
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
+        # What compute_logits returns: the LM head's own dtype, so the sampler's one-pass race reads it
+        # as it is (at batch 256 and a 152k vocabulary a float32 copy is an 80 us pass of its own on an
+        # H200); paths that need float32 make their copy. The final soft-cap's tanh runs in float32.
+        # The sampler builds its Triton race for this dtype at start (one kernel per input dtype).
+        self.logits_dtype = torch.float32 if config.final_softcap is not None else dtype
 
     @property
     def local_kv_heads(self) -> int:
