@@ -73,11 +73,13 @@ ATTENTION_VARIANTS: list[tuple[str, bool, dict[str, Any]]] = [
     ("tc-split32", True, {"fixed_split_size": 32}),
     ("cc", False, {}),
     ("cc-nosplit", False, {"disable_split_kv": True}),
+    # flashinfer's Hopper kernels (TMA, wgmma) for the tensor-core path; a separate JIT build.
+    ("tc-fa3", True, {"backend": "fa3"}),
 ]
 
 
 def attention_rows(
-    shape: dict[str, Any], bs: int, ctx: int, layers: int, bandwidth: float
+    shape: dict[str, Any], bs: int, ctx: int, layers: int, bandwidth: float, only: set[str] | None = None
 ) -> list[dict[str, Any]]:
     import flashinfer
 
@@ -87,14 +89,16 @@ def attention_rows(
     out = torch.empty_like(q)
     row: dict[str, Any] = {"part": "attention", "model": shape["name"], "bs": bs, "ctx": ctx}
     reference = None
-    for name, tensor_cores, options in ATTENTION_VARIANTS:
+    variants = [v for v in ATTENTION_VARIANTS if only is None or v[0] in only]
+    for name, tensor_cores, variant in variants:
+        options = {k: v for k, v in variant.items() if k != "backend"}
         try:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=tensor_cores,
-                backend="fa2",
+                backend=variant.get("backend", "fa2"),
                 paged_kv_indptr_buffer=case.indptr.clone(),
                 paged_kv_indices_buffer=case.indices.clone(),
                 paged_kv_last_page_len_buffer=case.last.clone(),
@@ -119,7 +123,7 @@ def attention_rows(
             row[name] = round(graph_us(run, layers), 2)
         except Exception as exc:  # one variant's failure must not hide the others
             row[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-    timed = {n: row[n] for n, _, _ in ATTENTION_VARIANTS if isinstance(row.get(n), float)}
+    timed = {n: row[n] for n, _, _ in variants if isinstance(row.get(n), float)}
     if timed:
         best = min(timed, key=timed.__getitem__)
         row["best"] = best
@@ -269,6 +273,10 @@ def main() -> None:
     parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling,qk_norm_rope")
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
+    parser.add_argument(
+        "--attention-cases", default="", help="model:batch:context:layers,... (default: the built-in cases)"
+    )
+    parser.add_argument("--attention-variants", default="", help="names in ATTENTION_VARIANTS (default: all)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     gemm_libs = tuple(args.gemm_libs.split(","))
@@ -299,8 +307,15 @@ def main() -> None:
     ]
     if args.quick:
         attention_cases = attention_cases[::2]
+    if args.attention_cases:
+        shapes = {s["name"]: s for s in (LLAMA, QWEN)}
+        attention_cases = [
+            (shapes[m], int(b), int(c), int(n))
+            for m, b, c, n in (case.split(":") for case in args.attention_cases.split(","))
+        ]
+    only = set(args.attention_variants.split(",")) if args.attention_variants else None
     for shape, bs, ctx, layers in attention_cases:
-        section("attention", attention_rows, shape, bs, ctx, layers, bandwidth)
+        section("attention", attention_rows, shape, bs, ctx, layers, bandwidth, only)
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
         section("kv_store", kv_store_rows, shape, bs, 32)
     gemm_batches = [int(b) for b in args.gemm_batches.split(",")] if not args.quick else [1]

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.offline import workload
