@@ -28,6 +28,18 @@ from tandem.benchmarks import online, online_report, serve_overhead
 
 APP = "tandem"
 MODEL = "tandem-tiny"
+# --model flashinfer: about the tiny model's size with a head_dim flashinfer serves, so on a GPU both
+# engines run the GPU path (flashinfer, decode and piecewise graphs). The embedded tiny model's head_dim
+# 16 takes the torch backend there, a per-row Python loop of ~3 ms a step that dominates its TTFT.
+# head_dim 128 and Qwen3-0.6B's 2:1 grouping: the flashinfer module prebuild_kernels.py caches.
+FLASHINFER_TINY: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "intermediate_size": 512,
+}
 
 
 def _visible_gpus() -> int:
@@ -114,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         help="With --device cuda and pairs: both engines on GPU 0 even when the host has more. Two "
         "processes on one GPU time-slice it, which may add to either side's TTFT.",
     )
+    p.add_argument(
+        "--model",
+        choices=["tiny", "flashinfer"],
+        default="tiny",
+        help="tiny: the embedded tiny model. flashinfer: a random Qwen3-shaped model of about its size "
+        "with head_dim 128 (the tiny tokenizer), written under --model-dir, served on both sides.",
+    )
+    p.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/flashinfer-tiny"))
     args = p.parse_args(argv)
 
     import ray
@@ -134,19 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         # CUDA_VISIBLE_DEVICES, so each rank's "cuda" is device 0.
         os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         num_gpus = 2
+    model_dir = None
+    if args.model == "flashinfer":
+        import torch
+
+        from tandem.benchmarks.shapes import write_random_model
+
+        model_dir = str(
+            write_random_model(args.model_dir, "qwen3", device=torch.device("cpu"), **FLASHINFER_TINY)
+        )
+    shared = [
+        "--model",
+        MODEL,
+        "--serve-overhead",
+        "--overhead-device",
+        args.device,
+        "--overhead-engine",
+        json.dumps(local_engine),
+        *(["--overhead-model", model_dir] if model_dir else []),
+    ]
     overhead_args = online.build_parser().parse_args(
-        [
-            "--base-url",
-            "http://unused",
-            "--model",
-            MODEL,
-            "--serve-overhead",
-            "--overhead-device",
-            args.device,
-            "--overhead-engine",
-            json.dumps(local_engine),
-        ]
-        + ["--overhead-requests", str(args.requests)]
+        ["--base-url", "http://unused", *shared, "--overhead-requests", str(args.requests)]
     )
     ray.init(num_cpus=args.num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     try:
@@ -155,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             local = asyncio.run(serve_overhead.measure_inprocess(overhead_args))
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app_args = {"served_model_name": MODEL, "device": args.device, "engine": engine}
+        app_args = {"served_model_name": MODEL, "device": args.device, "engine": engine, "model": model_dir}
         serve.run(build_app(app_args), name=APP, route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         probes = asyncio.run(_probes(base_url, args.requests))
@@ -174,17 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             online_report.write(sides, args.results_dir, args.tag, plot=False)
         else:
             online.main(
-                [
-                    "--base-url",
-                    base_url,
-                    "--model",
-                    MODEL,
-                    "--serve-overhead",
-                    "--overhead-device",
-                    args.device,
-                    "--overhead-engine",
-                    json.dumps(local_engine),
-                ]
+                ["--base-url", base_url, *shared]
                 + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
                 + ["--results-dir", str(args.results_dir)]
             )
@@ -197,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = {"cpus": os.cpu_count(), "note": "client, proxy, replica and rank share the host"}
     result["ingress"] = args.ingress
     result["gpu_shared_by_both_engines"] = share_gpu
+    result["served_model"] = {"tiny": "embedded tiny model", "flashinfer": {"qwen3": FLASHINFER_TINY}}[
+        args.model
+    ]
     path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
