@@ -3,7 +3,7 @@
 # OUT and ends with a short summary, so the caller sees the figures even when a step fails loudly.
 #   source .device/gpu-env.sh && benchmarks/gpu_session.sh tests|probe|offline|latency|profile|hf|serve|tp2|diag [OUT]
 # About: tests 8 min (kernel builds, ~3 min on a fresh host, included), probe 2-5 (kernel builds, then
-# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 4, hf 5, serve 5, tp2 5 (two GPUs), diag 4.
+# kernel_choices.py parts: PARTS, default sampling), offline 4, latency 6, profile 8, hf 5, serve 5, tp2 5 (two GPUs), diag 4.
 set -uo pipefail
 PHASE=${1:?phase: tests, probe, offline, latency, profile, hf, serve, tp2 or diag}; OUT=${2:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
@@ -50,26 +50,33 @@ case $PHASE in
     run hf-peer 500 python3 benchmarks/offline.py --ablations all-on --hf-peer --tag hf-peer --out-dir "$OUT"
     tail -4 "$OUT/hf-peer.log" ;;
   profile)
+    # The decode step split (Llama-3.1-8B shape), then the exact offline workload's kernel time by kind.
     run prebuild 200 python3 benchmarks/prebuild_kernels.py
-    run decode-profile 300 python3 benchmarks/decode_profile.py --steps 30 --out-dir "$OUT"
-    tail -8 "$OUT/decode-profile.log" ;;
+    run decode-profile 200 python3 benchmarks/decode_profile.py --steps 30 --out-dir "$OUT"
+    tail -8 "$OUT/decode-profile.log"
+    run offline-profile 220 python3 benchmarks/profile_steps.py
+    tail -14 "$OUT/offline-profile.log" ;;
   serve)
-    # A private Ray without the dashboard; HTTP and in-process requests alternate, both engines on the
-    # one GPU (online_local_overhead.py --gpu-share). HAProxy twice (the figure is noisy), Serve's proxy once.
+    # A private Ray without the dashboard; HTTP and in-process requests alternate, each engine on a GPU
+    # of its own on a two-GPU host (else both on the one GPU: --gpu-share). HAProxy twice (the figure is
+    # noisy), Serve's proxy once; SERVE_MODEL=tiny serves the embedded tiny model (torch attention on a
+    # GPU) instead of a tiny head_dim-128 model on the flashinfer path.
     # First the rank's own first-token time (rank_ttft.py: no Ray, no channel), the baseline both share.
     run rank-ttft 150 python3 benchmarks/rank_ttft.py --device cuda --out-dir "$OUT"
     grep "overlap" "$OUT/rank-ttft.log"
     for run in haproxy-r1 haproxy-r2 proxy-r1; do
       mode=${run%-*}
       run "serve-$run" 200 python3 benchmarks/online_local_overhead.py --device cuda --ingress "$mode" \
-        --num-cpus 16 --requests 200 --tag "h200-tiny-$run" --results-dir "$OUT"
+        --num-cpus 16 --requests 200 --model "${SERVE_MODEL:-flashinfer}" --tag "h200-${SERVE_MODEL:-flashinfer}-$run" \
+        --results-dir "$OUT"
       ray stop --force >/dev/null 2>&1
       grep -h "serve overhead\|probes" "$OUT/serve-$run.log"
     done ;;
   diag)
-    # Where host time goes: the tiny model's loop steps under torch.profiler (a step launched in ~4 ms
-    # on an H200), then an offline run whose first setting (slower than a second one in the same
-    # process: 3.5 against 1.5 ms of launch per step) reports its longest launch and stall count.
+    # Where host time goes: the tiny model's loop steps under torch.profiler (a step launched in ~3 ms
+    # on an H200), then an offline run of two settings, each reporting its longest launch, stall count
+    # and allocator slow paths (a first setting launched at 3.5 ms a step against 1.5 later until
+    # 6fafe91; since then both run alike).
     run rank-ttft 200 python3 benchmarks/rank_ttft.py --device cuda --profile 10 --out-dir "$OUT"
     grep "overlap" "$OUT/rank-ttft.log"; head -28 "$OUT/rank-ttft-cuda-overlap-profile.txt" | cut -c1-150
     grep -A22 "ncalls" "$OUT/rank-ttft-cuda-overlap-python.txt" | cut -c1-150
