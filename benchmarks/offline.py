@@ -71,6 +71,11 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingPa
     return prompts, params
 
 
+def pages_for(prompts: list[list[int]], params: list[SamplingParams], page_size: int = 16) -> int:
+    """Enough KV pages for every sequence at once (plus slack), so the pool never limits the batch."""
+    return int(sum(-(-(len(p) + s.max_tokens) // page_size) for p, s in zip(prompts, params)) * 1.1) + 64
+
+
 FLOOR_FORMULA = (
     "(weight bytes x (longest output - 1) + KV bytes read by decode tokens) / copy bandwidth"
     " + prefill FLOPs / bf16 matmul rate"
@@ -234,8 +239,7 @@ def main() -> None:
     )
     model_s = time.perf_counter() - start
     prompts, params = workload(args)
-    # Enough pages for every sequence at once (plus slack), so the pool never limits the batch.
-    args.num_pages = int(sum(-(-(len(p) + s.max_tokens) // 16) for p, s in zip(prompts, params)) * 1.1) + 64
+    args.num_pages = pages_for(prompts, params)
     cost = ModelCost.of(ModelConfig.from_dir(model_dir))
     floor = floor_seconds(cost, prompts, params, ceilings)
     output_tokens = sum(p.max_tokens for p in params)

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from tandem import LLM, SamplingParams
-from tandem.benchmarks.offline import workload
+from tandem.benchmarks.offline import pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
 
 # Kernel name fragment -> kind; the first match wins, so the specific fragments come first.
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
     prompts, params = workload(args)
-    num_pages = int(sum(-(-(len(p) + s.max_tokens) // 16) for p, s in zip(prompts, params)) * 1.1) + 64
+    num_pages = pages_for(prompts, params)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model(
             Path(tmp) / "qwen3", "qwen3", device=torch.device("cuda"), **QWEN3_0_6B

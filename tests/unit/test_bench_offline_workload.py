@@ -33,3 +33,13 @@ def test_allocator_counter_deltas() -> None:
     }
     if not torch.cuda.is_available():
         assert allocator_counters() == {}  # nothing to count off CUDA
+
+
+def test_pages_for_holds_every_sequence_at_once() -> None:
+    from tandem.benchmarks.offline import pages_for
+    from tandem.scheduler.sampling_params import SamplingParams
+
+    prompts = [[1] * 100, [2] * 17]
+    params = [SamplingParams(max_tokens=28), SamplingParams(max_tokens=1)]
+    # 128 tokens -> 8 pages of 16, 18 tokens -> 2 pages: 10 pages, 10% slack and 64 spare.
+    assert pages_for(prompts, params) == int(10 * 1.1) + 64
