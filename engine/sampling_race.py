@@ -29,7 +29,8 @@ from tandem.engine.sampler import GREEDY_EPS
 
 # Programs per launch to aim for: slices per row are about this / batch, a power of 2 in [1, 64]. Eight
 # four-warp programs per SM of an H200, enough loads in flight to cover memory latency: at 264 (two
-# per SM), batch 256 ran one program per row and the race took 123 us over float32 logits.
+# per SM), batch 256 ran one slice per row, 182 us over bf16 logits against 113 us with 8 slices
+# (benchmarks/results/kernel-choices-sampling-slices.json).
 _TARGET_PROGRAMS = 1056
 
 
