@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         "GPU give both a mem_fraction that fits.",
     )
     ovh.add_argument(
+        "--overhead-direct-url",
+        help="Also time each pair at this URL (HAProxy mode: a replica's own /v1/completions), to split "
+        "HAProxy's share from the rest.",
+    )
+    ovh.add_argument(
         "--overhead-ray-address",
         default="local",
         help="Ray for the replica when none is initialized: 'local' starts a private one; 'auto' joins.",

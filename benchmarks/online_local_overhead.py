@@ -89,6 +89,22 @@ async def _probes(base_url: str, requests: int) -> dict[str, Any]:
     }
 
 
+def _replica_port(ports: range = range(30000, 30100)) -> int | None:
+    """The one replica's own HTTP port in HAProxy mode (Serve's direct ingress takes it from 30000 up),
+    found by its `/-/routes` answer naming this app; None if no port answers so."""
+    import urllib.error
+    import urllib.request
+
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/routes", timeout=0.5) as reply:
+                if APP in reply.read().decode(errors="replace"):
+                    return port
+        except (OSError, urllib.error.URLError):
+            continue
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tag", default="cpu-local", help="Writes online-<tag>.json.")
@@ -134,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         "with head_dim 128 (the tiny tokenizer), written under --model-dir, served on both sides.",
     )
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/flashinfer-tiny"))
+    p.add_argument(
+        "--engine",
+        type=json.loads,
+        default={},
+        help="Engine options for both engines, as JSON (e.g. '{\"cuda_graph_max_bs\": 8}': fewer graphs "
+        "to capture, a shorter start).",
+    )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="With --ingress haproxy: also time each pair at the replica's own port (HAProxy's share).",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -146,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     order = args.order or "pairs"
     share_gpu = args.device == "cuda" and order == "pairs" and (args.one_gpu or _visible_gpus() < 2)
-    engine: dict[str, Any] = {"mem_fraction": args.gpu_share} if share_gpu else {}
-    local_engine = {"mem_fraction": 2 * args.gpu_share} if share_gpu else {}
+    engine: dict[str, Any] = {**args.engine, **({"mem_fraction": args.gpu_share} if share_gpu else {})}
+    local_engine = {**args.engine, **({"mem_fraction": 2 * args.gpu_share} if share_gpu else {})}
     num_gpus = None
     if share_gpu:
         # One physical GPU holds both engines (a tiny model each): Ray counts two and sets no
@@ -201,8 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             online_report.write(sides, args.results_dir, args.tag, plot=False)
         else:
+            direct: list[str] = []
+            if args.direct and args.ingress == "haproxy":
+                port = _replica_port()
+                print(f"the replica's own port: {port}", flush=True)
+                if port is not None:
+                    direct = ["--overhead-direct-url", f"http://127.0.0.1:{port}/v1/completions"]
             online.main(
-                ["--base-url", base_url, *shared]
+                ["--base-url", base_url, *shared, *direct]
                 + ["--overhead-requests", str(args.requests), "--tag", args.tag, "--no-plot"]
                 + ["--results-dir", str(args.results_dir)]
             )
@@ -215,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = {"cpus": os.cpu_count(), "note": "client, proxy, replica and rank share the host"}
     result["ingress"] = args.ingress
     result["gpu_shared_by_both_engines"] = share_gpu
+    result["engine_options_both_sides"] = args.engine
     result["served_model"] = {"tiny": "embedded tiny model", "flashinfer": {"qwen3": FLASHINFER_TINY}}[
         args.model
     ]

@@ -26,16 +26,33 @@ class Side:
     ttft_s: list[float] = field(default_factory=list)
     first_token_s: list[float] = field(default_factory=list)  # in-process only: the first token id
     errors: list[str] = field(default_factory=list)
+    # Interleaved runs: each pair's TTFT, None where that request failed, so a failure on one side
+    # leaves its pair out instead of misaligning every later pair.
+    by_pair: list[float | None] = field(default_factory=list)
+
+    def record(self, ttft: float | None, error: str | None) -> None:
+        self.by_pair.append(ttft)
+        if ttft is not None:
+            self.ttft_s.append(ttft)
+        else:
+            self.errors.append(error or "no time to first text")
+
+    def aligned(self) -> list[float | None]:
+        """Per-pair TTFTs: `by_pair`, or for a Side built from times alone, those times if none failed."""
+        if self.by_pair:
+            return self.by_pair
+        return list(self.ttft_s) if not self.errors else []
 
 
-def overhead_specs(args: argparse.Namespace) -> list[Any]:
-    """The probe's prompts; the first two of each side warm up and are not counted."""
+def overhead_specs(args: argparse.Namespace, salt: int = 0) -> list[Any]:
+    """The probe's prompts; the first two of each side warm up and are not counted. Another `salt`
+    gives another set of prompts of the same lengths."""
     return synthetic_requests(
         args.overhead_requests + 2,
         args.overhead_input_len,
         args.overhead_max_tokens,
         vocab_size=args.vocab_size,
-        seed=args.seed + OVERHEAD_SEED,
+        seed=args.seed + OVERHEAD_SEED + 7919 * salt,
     )
 
 
@@ -75,10 +92,8 @@ async def _http_once(
     body = request_body(spec, args.model, "completions", args.temperature)
     result = await send_request(client, url, body, spec.input_len, args.request_timeout_s)
     if count:
-        if result.ok and result.ttft is not None:
-            side.ttft_s.append(result.ttft)
-        else:
-            side.errors.append(f"http: {result.error}")
+        ok = result.ok and result.ttft is not None
+        side.record(result.ttft if ok else None, f"http: {result.error}")
 
 
 async def _inprocess_once(replica: Any, sampling: Any, spec: Any, side: Side, count: bool) -> None:
@@ -88,25 +103,33 @@ async def _inprocess_once(replica: Any, sampling: Any, spec: Any, side: Side, co
         return
     if first_token is not None:
         side.first_token_s.append(first_token)
-    if ttft is not None:
-        side.ttft_s.append(ttft)
-    else:
-        side.errors.append(f"in-process: {error}")
+    side.record(ttft, f"in-process: {error}")
 
 
 async def measure_serve_overhead(
     client: aiohttp.ClientSession, url: str, args: argparse.Namespace, deadline: float
 ) -> dict[str, Any]:
     """TTFT over HTTP minus TTFT of `LLMReplica.generate` in this process, sequential requests (no
-    queueing), same prompts and sampling. Pairs alternate, so drift on the host hits both sides alike."""
-    http, local = Side(), Side()
+    queueing), same prompts and sampling. Pairs alternate, so drift on the host hits both sides alike.
+
+    With `--overhead-direct-url` (the replica's own HTTP port in HAProxy mode) each pair gets a third
+    request there, between the two: HTTP through HAProxy minus that is HAProxy's share. It takes prompts
+    of its own, since the app's prefix cache would serve it the pair's prompt."""
+    http, local, direct = Side(), Side(), Side()
+    direct_url = getattr(args, "overhead_direct_url", None)
+    specs = overhead_specs(args)
+    direct_specs = overhead_specs(args, salt=1) if direct_url else []
     async with inprocess_replica(args) as (replica, sampling):
-        for i, spec in enumerate(overhead_specs(args)):
+        for i, spec in enumerate(specs):
             if time.perf_counter() >= deadline:
                 break
             await _http_once(client, url, args, spec, http, count=i >= 2)
+            if direct_url:
+                await _http_once(client, direct_url, args, direct_specs[i], direct, count=i >= 2)
             await _inprocess_once(replica, sampling, spec, local, count=i >= 2)
-    return overhead_summary(http, local, args, order="interleaved pairs", paired=True)
+    return overhead_summary(
+        http, local, args, order="interleaved pairs", paired=True, direct=direct if direct_url else None
+    )
 
 
 async def measure_inprocess(args: argparse.Namespace) -> Side:
@@ -127,8 +150,26 @@ async def measure_http(url: str, args: argparse.Namespace) -> Side:
     return http
 
 
+def pair_differences(a: Side, b: Side) -> list[float]:
+    """a minus b per pair, in seconds, over the pairs where both requests gave a time."""
+    left, right = a.aligned(), b.aligned()
+    if len(left) != len(right):
+        return []
+    return [x - y for x, y in zip(left, right) if x is not None and y is not None]
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return round(1e3 * statistics.median(values), 3) if values else None
+
+
 def overhead_summary(
-    http: Side, local: Side, args: argparse.Namespace, *, order: str, paired: bool = False
+    http: Side,
+    local: Side,
+    args: argparse.Namespace,
+    *,
+    order: str,
+    paired: bool = False,
+    direct: Side | None = None,
 ) -> dict[str, Any]:
     http_ms, local_ms = latency_stats(http.ttft_s), latency_stats(local.ttft_s)
     overhead = None
@@ -136,10 +177,8 @@ def overhead_summary(
         overhead = round(http_ms["p50"] - local_ms["p50"], 3)
     # With alternating pairs, the median of each pair's difference as well: a slow moment of the host
     # lands in both halves of one pair, so it cancels there instead of moving one side's median.
-    paired_p50 = None
-    if paired and not http.errors and not local.errors and len(http.ttft_s) == len(local.ttft_s) > 0:
-        paired_p50 = round(1e3 * statistics.median(h - i for h, i in zip(http.ttft_s, local.ttft_s)), 3)
-    errors = http.errors + local.errors
+    differences = pair_differences(http, local) if paired else []
+    errors = http.errors + local.errors + (direct.errors if direct is not None else [])
     summary = {
         "requests": len(local.ttft_s),
         "order": order,
@@ -151,12 +190,28 @@ def overhead_summary(
         "inprocess_ttft_ms": local_ms,
         "inprocess_first_token_ms": latency_stats(local.first_token_s),
         "overhead_ms_p50": overhead,
-        "overhead_ms_paired_p50": paired_p50,
+        "overhead_ms_paired_p50": _median_ms(differences),
+        "pairs_counted": len(differences),
+        # Every pair's difference, so runs on one host can be pooled (benchmarks/overhead_pool.py).
+        "pair_differences_ms": [round(1e3 * d, 3) for d in differences],
         "target_ms_p50": SERVE_OVERHEAD_TARGET_MS,
     }
+    if direct is not None:
+        # The replica's own port: HAProxy's share, and what is left without it (Serve's replica server,
+        # tandem's HTTP layer, the client).
+        summary["direct_ttft_ms"] = latency_stats(direct.ttft_s)
+        summary["haproxy_share_ms_paired_p50"] = _median_ms(pair_differences(http, direct))
+        summary["direct_overhead_ms_paired_p50"] = _median_ms(pair_differences(direct, local))
+    paired_p50 = summary["overhead_ms_paired_p50"]
     print(
         f"serve overhead: TTFT p50 http {http_ms['p50']} ms - in-process {local_ms['p50']} ms = {overhead} ms"
         + (f"; median of pair differences {paired_p50} ms" if paired_p50 is not None else "")
+        + (
+            f"; HAProxy's share {summary['haproxy_share_ms_paired_p50']} ms, the replica's own port "
+            f"{summary['direct_overhead_ms_paired_p50']} ms"
+            if direct is not None
+            else ""
+        )
     )
     return summary
 

@@ -273,7 +273,8 @@ def test_serve_overhead_paired_median_is_robust_to_host_stalls() -> None:
     paired = overhead_summary(http, local, args, order="interleaved pairs", paired=True)
     assert paired["overhead_ms_paired_p50"] == pytest.approx(1.0)
     assert paired["overhead_ms_p50"] == pytest.approx(21.0)  # the medians moved apart
-    # One lost request would misalign the pairs: no paired figure then, only the difference of medians.
+    assert paired["pair_differences_ms"] == pytest.approx([1.0, 1.0, 21.0, 1.0, 1.0])
+    # Times alone, with a lost request, cannot be aligned: no paired figure, only the difference of medians.
     broken = overhead_summary(
         Side(ttft_s=http.ttft_s[1:], errors=["http: timeout"]),
         local,
@@ -284,3 +285,41 @@ def test_serve_overhead_paired_median_is_robust_to_host_stalls() -> None:
     assert broken["overhead_ms_paired_p50"] is None and broken["failed"] == 1
     sides = overhead_summary(http, local, args, order="in-process, then HTTP")
     assert sides["overhead_ms_paired_p50"] is None
+
+
+def test_serve_overhead_pairs_stay_aligned_past_a_failed_request() -> None:
+    from tandem.benchmarks.serve_overhead import Side, overhead_summary
+
+    args = argparse.Namespace(overhead_input_len=32, overhead_max_tokens=4)
+    http, local, direct = Side(), Side(), Side()
+    # Pair 1's HTTP request carried no text. Recorded per pair, the later pairs still line up.
+    for h, d, i in [(0.011, 0.0105, 0.010), (None, 0.0205, 0.020), (0.031, 0.0305, 0.030)]:
+        http.record(h, "http: no text")
+        direct.record(d, None)
+        local.record(i, None)
+    summary = overhead_summary(http, local, args, order="interleaved pairs", paired=True, direct=direct)
+    assert summary["failed"] == 1 and summary["pairs_counted"] == 2
+    assert summary["overhead_ms_paired_p50"] == pytest.approx(1.0)
+    assert summary["haproxy_share_ms_paired_p50"] == pytest.approx(0.5)
+    assert summary["direct_overhead_ms_paired_p50"] == pytest.approx(0.5)
+
+
+def test_overhead_pool_resamples_runs_not_only_pairs(tmp_path: Path) -> None:
+    from tandem.benchmarks.overhead_pool import main, pool
+
+    # Two runs that disagree: pairs alone would give a narrow interval around the pooled median;
+    # resampling runs spans both runs' medians.
+    runs = {"a": [1.0] * 100, "b": [3.0] * 100}
+    result = pool(runs, draws=400)
+    assert result["pairs"] == 200 and result["per_run_paired_p50_ms"] == {"a": 1.0, "b": 3.0}
+    assert result["pooled_ci95_ms"] == [1.0, 3.0]
+    for name, diffs in runs.items():
+        (tmp_path / f"online-{name}.json").write_text(
+            json.dumps({"commit": "abc", "serve_overhead": {"pair_differences_ms": diffs}})
+        )
+    files = [str(tmp_path / "online-a.json"), str(tmp_path / "online-b.json")]
+    assert main([*files, "--tag", "pooled", "--results-dir", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "online-pooled.json").read_text())
+    assert written["runs"] == 2 and [s["file"] for s in written["sources"]] == ["online-a.json", "online-b.json"]
+    with pytest.raises(ValueError):
+        pool({"a": []})
