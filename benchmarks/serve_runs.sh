@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Several serve-overhead runs on one GPU host, each a fresh deployment (the figure moves between
+# deployments more than within one), then their pairs pooled (overhead_pool.py).
+#   source .device/gpu-env.sh && benchmarks/serve_runs.sh RUNS TAG [OUT]
+# Between runs, any process still holding the GPU is ended: a run stopped mid-start leaves its rank
+# holding its share of memory, and every later engine then finds no room for its KV cache.
+set -uo pipefail
+RUNS=${1:?runs}; TAG=${2:?tag}; OUT=${3:-${OUT:-/tmp/gpu-session}}
+mkdir -p "$OUT"
+for r in $(seq 1 "$RUNS"); do
+  limit=$([ "$r" = 1 ] && echo 300 || echo 170)  # the first run builds the Triton kernels
+  timeout "$limit" python3 benchmarks/online_local_overhead.py --device cuda --ingress haproxy --direct \
+    --num-cpus 16 --requests "${REQUESTS:-200}" --model "${SERVE_MODEL:-flashinfer}" \
+    --engine '{"cuda_graph_max_bs": 8, "piecewise_max_tokens": 256}' \
+    --tag "$TAG-r$r" --results-dir "$OUT" > "$OUT/serve-r$r.log" 2>&1
+  echo "== r$r: exit $? at $(date +%T)"
+  grep -h "own port\|serve overhead" "$OUT/serve-r$r.log"
+  if [ ! -f "$OUT/online-$TAG-r$r.json" ]; then  # say why the replica failed
+    grep -h -A3 "Error\|error" /tmp/ray/session_latest/logs/serve/replica_*.log 2>/dev/null | tail -20
+  fi
+  ray stop --force > /dev/null 2>&1
+  nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
+  sleep 3
+done
+python3 benchmarks/overhead_pool.py "$OUT"/online-"$TAG"-r*.json --tag "$TAG-pooled" --results-dir "$OUT" | tail -14
