@@ -7,16 +7,20 @@
 set -uo pipefail
 RUNS=${1:?runs}; TAG=${2:?tag}; OUT=${3:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
+# A flashinfer cache restored from pack_fi_cache.py has emptied objects: a module that ninja relinks
+# on first use loses its functions ("Module has no function 'rmsnorm'", seen on an H200). The prebuild
+# rebuilds such a module whole, and is a no-op when everything is up to date.
+[ "${SERVE_MODEL:-flashinfer}" = flashinfer ] && python3 benchmarks/prebuild_kernels.py > "$OUT/prebuild.log" 2>&1
 for r in $(seq 1 "$RUNS"); do
   limit=$([ "$r" = 1 ] && echo 300 || echo 170)  # the first run builds the Triton kernels
   timeout "$limit" python3 benchmarks/online_local_overhead.py --device cuda --ingress haproxy --direct \
     --num-cpus 16 --requests "${REQUESTS:-200}" --model "${SERVE_MODEL:-flashinfer}" \
-    --engine '{"cuda_graph_max_bs": 8, "piecewise_max_tokens": 256}' \
+    --engine "${ENGINE:-{\}}" \
     --tag "$TAG-r$r" --results-dir "$OUT" > "$OUT/serve-r$r.log" 2>&1
   echo "== r$r: exit $? at $(date +%T)"
   grep -h "own port\|serve overhead" "$OUT/serve-r$r.log"
   if [ ! -f "$OUT/online-$TAG-r$r.json" ]; then  # say why the replica failed
-    grep -h -A3 "Error\|error" /tmp/ray/session_latest/logs/serve/replica_*.log 2>/dev/null | tail -20
+    grep -h -m1 -A40 "Traceback" /tmp/ray/session_latest/logs/serve/replica_*.log 2>/dev/null | head -45
   fi
   ray stop --force > /dev/null 2>&1
   nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null

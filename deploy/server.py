@@ -150,7 +150,8 @@ class LLMServer:
                 await poller
         replica = getattr(self, "_replica", None)
         if replica is not None:
-            await replica.shutdown(drain_timeout_s=self._drain_timeout_s)
+            # A constructor that failed part-way (a rank that could not start) set no drain timeout.
+            await replica.shutdown(drain_timeout_s=getattr(self, "_drain_timeout_s", 0.0))
 
 
 async def _yield_once(item: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
