@@ -12,6 +12,12 @@ be read into L2 on a side stream during those kernels. This measures, in CUDA gr
 - `serial`: prefetch, then GEMM, after the wait (the GEMM's time from L2, without overlap).
 
     python benchmarks/l2_prefetch.py          # a few seconds on an H200
+
+What the H200 said (l2-prefetch-llama-3.1-8b.json, commit e655f85): it does not pay. Even with the
+weight in L2, the o GEMM takes 10.5 µs against 13.6 cold and q/k/v 13.2 against 16.2 (batch 1). That is
+~6 µs a layer, ~0.19 ms a step at best. Reading the o weight in took 78 µs with 48 programs (~430 GB/s).
+To fit the window it would need most of the SMs, which attention needs at the same moment. So the
+engine does not prefetch.
 """
 
 from __future__ import annotations

@@ -320,6 +320,44 @@ def test_overhead_pool_resamples_runs_not_only_pairs(tmp_path: Path) -> None:
     files = [str(tmp_path / "online-a.json"), str(tmp_path / "online-b.json")]
     assert main([*files, "--tag", "pooled", "--results-dir", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "online-pooled.json").read_text())
-    assert written["runs"] == 2 and [s["file"] for s in written["sources"]] == ["online-a.json", "online-b.json"]
+    assert written["runs"] == 2
+    assert [s["file"] for s in written["sources"]] == ["online-a.json", "online-b.json"]
     with pytest.raises(ValueError):
         pool({"a": []})
+
+
+def test_replica_port_is_the_one_answering_routes_for_this_app() -> None:
+    import http.server
+    import threading
+
+    from tandem.benchmarks.online_local_overhead import APP, _replica_port
+
+    class Routes(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (the http.server hook's name)
+            body = json.dumps({"/": APP if self.path == "/-/routes" else "other"}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Routes)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _replica_port(range(port, port + 1)) == port
+        server.RequestHandlerClass = type("Other", (Routes,), {"do_GET": _answers_other_app})
+        assert _replica_port(range(port, port + 1)) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _answers_other_app(self: Any) -> None:
+    body = b'{"/": "another-app"}'
+    self.send_response(200)
+    self.send_header("content-length", str(len(body)))
+    self.end_headers()
+    self.wfile.write(body)
