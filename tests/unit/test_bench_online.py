@@ -333,7 +333,7 @@ def test_replica_port_is_the_one_answering_routes_for_this_app() -> None:
     from tandem.benchmarks.online_local_overhead import APP, _replica_port
 
     class Routes(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802  (the http.server hook's name)
+        def do_GET(self) -> None:
             body = json.dumps({"/": APP if self.path == "/-/routes" else "other"}).encode()
             self.send_response(200)
             self.send_header("content-length", str(len(body)))
