@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -153,3 +154,23 @@ def test_serving_metrics_turn_cumulative_stats_into_increments(monkeypatch: pyte
     assert recorder._itl.values == pytest.approx([0.1, 0.1, 0.1])  # type: ignore[attr-defined]
     recorder.generation_tokens(0)  # a Ray Counter rejects 0: nothing is recorded
     assert recorder._generation.values == []  # type: ignore[attr-defined]
+
+
+def test_llm_server_shutdown_after_a_constructor_that_failed_part_way() -> None:
+    """Serve calls `__del__` on a replica whose constructor raised after the LLMReplica existed (a rank
+    that could not start): it still stops the ranks, with no drain, instead of raising AttributeError."""
+    import asyncio
+
+    from tandem.deploy.server import LLMServer
+
+    class Replica:
+        drains: list[float] = []
+
+        async def shutdown(self, drain_timeout_s: float) -> None:
+            self.drains.append(drain_timeout_s)
+
+    # Our class under Serve's ingress wrapper; called on a bare namespace, so no half-built instance is
+    # left for the garbage collector to call the async __del__ on again.
+    ours = LLMServer.func_or_class.__mro__[1]
+    asyncio.run(ours.__del__(SimpleNamespace(_replica=Replica())))
+    assert Replica.drains == [0.0]
