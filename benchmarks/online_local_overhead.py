@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     result["ingress"] = args.ingress
     result["gpu_shared_by_both_engines"] = share_gpu
     result["engine_options_both_sides"] = args.engine
+    # HAProxy's own settings come from the environment (Ray reads them when it writes the config).
+    result["haproxy_env"] = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_HAPROXY_")}
     result["served_model"] = {"tiny": "embedded tiny model", "flashinfer": {"qwen3": FLASHINFER_TINY}}[
         args.model
     ]

@@ -2,6 +2,8 @@
 # Several serve-overhead runs on one GPU host, each a fresh deployment (the figure moves between
 # deployments more than within one), then their pairs pooled (overhead_pool.py).
 #   source .device/gpu-env.sh && benchmarks/serve_runs.sh RUNS TAG [OUT]
+# Environment: REQUESTS (pairs per run, 200), SERVE_MODEL (flashinfer or tiny), ENGINE (JSON engine
+# options for both engines), DEVICE (cuda; cpu to try the script on a development box).
 # Between runs, any process still holding the GPU is ended: a run stopped mid-start leaves its rank
 # holding its share of memory, and every later engine then finds no room for its KV cache.
 set -uo pipefail
@@ -10,11 +12,12 @@ mkdir -p "$OUT"
 # A flashinfer cache restored from pack_fi_cache.py has emptied objects: a module that ninja relinks
 # on first use loses its functions ("Module has no function 'rmsnorm'", seen on an H200). The prebuild
 # rebuilds such a module whole, and is a no-op when everything is up to date.
-[ "${SERVE_MODEL:-flashinfer}" = flashinfer ] && python3 benchmarks/prebuild_kernels.py > "$OUT/prebuild.log" 2>&1
+DEVICE=${DEVICE:-cuda}
+[ "$DEVICE" = cuda ] && [ "${SERVE_MODEL:-flashinfer}" = flashinfer ] && python3 benchmarks/prebuild_kernels.py > "$OUT/prebuild.log" 2>&1
 for r in $(seq 1 "$RUNS"); do
   limit=$([ "$r" = 1 ] && echo 300 || echo 170)  # the first run builds the Triton kernels
-  timeout "$limit" python3 benchmarks/online_local_overhead.py --device cuda --ingress haproxy --direct \
-    --num-cpus 16 --requests "${REQUESTS:-200}" --model "${SERVE_MODEL:-flashinfer}" \
+  timeout "$limit" python3 benchmarks/online_local_overhead.py --device "$DEVICE" --ingress haproxy --direct \
+    --num-cpus "${NUM_CPUS:-16}" --requests "${REQUESTS:-200}" --model "${SERVE_MODEL:-flashinfer}" \
     --engine "${ENGINE:-{\}}" \
     --tag "$TAG-r$r" --results-dir "$OUT" > "$OUT/serve-r$r.log" 2>&1
   echo "== r$r: exit $? at $(date +%T)"
