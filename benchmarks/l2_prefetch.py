@@ -23,8 +23,6 @@ engine does not prefetch.
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.benchmarks.common import RESULTS, measure_ceilings, print_table, write_result
+from tandem.benchmarks.common import RESULTS, graph_us, measure_ceilings, print_table, write_result
 
 BF16 = torch.bfloat16
 SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336)}  # Llama-3.1-8B [N, K]
@@ -58,29 +56,6 @@ def prefetch(weight: torch.Tensor, fraction: float, out: torch.Tensor, programs:
     _touch[(programs,)](flat, out, n, per, BLOCK=1024)
 
 
-def graph_layer_us(step: Callable[[int], None], layers: int, replays: int = 20) -> float:
-    """µs per layer of step(j) for j < layers, captured into one graph; median of replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for j in range(layers):
-            step(j)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(layers):
-            step(j)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(times)
-
-
 def rows_for(
     name: str, bs: int, wait_cycles: int, fractions: list[float], programs: int
 ) -> list[dict[str, Any]]:
@@ -103,8 +78,8 @@ def rows_for(
         gemm(j)
 
     base = {"layer": name, "bs": bs, "weight_mb": round(n * k * 2 / 1e6, 1)}
-    wait_us, gemm_us = graph_layer_us(wait, layers), graph_layer_us(gemm, layers)
-    seq_us = graph_layer_us(wait_gemm, layers)
+    wait_us, gemm_us = graph_us(wait, layers), graph_us(gemm, layers)
+    seq_us = graph_us(wait_gemm, layers)
     rows = []
     for fraction in fractions:
 
@@ -125,8 +100,8 @@ def rows_for(
         def prefetch_only(j: int, f: float = fraction) -> None:
             prefetch(weights[j], f, sums, programs)
 
-        over_us, serial_us = graph_layer_us(overlapped, layers), graph_layer_us(serial, layers)
-        pre_us = graph_layer_us(prefetch_only, layers)
+        over_us, serial_us = graph_us(overlapped, layers), graph_us(serial, layers)
+        pre_us = graph_us(prefetch_only, layers)
         rows.append(
             {
                 **base,
@@ -160,7 +135,7 @@ def main() -> None:
     ceilings = measure_ceilings(device)
     # The spin kernel counts clock cycles: calibrate cycles per µs on this device's clock.
     probe = 100_000
-    probe_us = graph_layer_us(lambda j: torch.cuda._sleep(probe), 8)
+    probe_us = graph_us(lambda j: torch.cuda._sleep(probe), 8)
     wait_cycles = int(args.wait_us * probe / probe_us)
     fractions = [float(f) for f in args.fractions.split(",")]
     rows = []
