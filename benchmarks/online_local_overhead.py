@@ -92,7 +92,6 @@ async def _probes(base_url: str, requests: int) -> dict[str, Any]:
 def _replica_port(ports: range = range(30000, 30100)) -> int | None:
     """The one replica's own HTTP port in HAProxy mode (Serve's direct ingress takes it from 30000 up),
     found by its `/-/routes` answer naming this app; None if no port answers so."""
-    import urllib.error
     import urllib.request
 
     for port in ports:
@@ -100,7 +99,7 @@ def _replica_port(ports: range = range(30000, 30100)) -> int | None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/routes", timeout=0.5) as reply:
                 if APP in reply.read().decode(errors="replace"):
                     return port
-        except (OSError, urllib.error.URLError):
+        except OSError:  # refused, timed out, or an HTTP error (URLError is an OSError)
             continue
     return None
 
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/flashinfer-tiny"))
     p.add_argument(
         "--engine",
-        type=json.loads,
+        type=online._json_object,  # a clear argparse error for anything but a JSON object
         default={},
         help="Engine options for both engines, as JSON (e.g. '{\"cuda_graph_max_bs\": 8}': fewer graphs "
         "to capture, a shorter start).",

@@ -4,8 +4,8 @@
 #   source .device/gpu-env.sh && benchmarks/serve_runs.sh RUNS TAG [OUT]
 # Environment: REQUESTS (pairs per run, 200), SERVE_MODEL (flashinfer or tiny), ENGINE (JSON engine
 # options for both engines), DEVICE (cuda; cpu to try the script on a development box).
-# Between runs, any process still holding the GPU is ended: a run stopped mid-start leaves its rank
-# holding its share of memory, and every later engine then finds no room for its KV cache.
+# Between runs, any process still holding the GPU is ended, so that a run stopped by its timeout
+# cannot leave a rank holding GPU memory into the next run.
 set -uo pipefail
 RUNS=${1:?runs}; TAG=${2:?tag}; OUT=${3:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
