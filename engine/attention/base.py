@@ -44,11 +44,20 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         pool: KVPool,
         out: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         """Store k/v for the new tokens, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H * D].
 
         `out` ([T, H * D]), when given, receives the result (a static buffer of a piecewise graph).
+        `stored`: the caller already wrote k/v at `new_kv_slots`, so k and v are not read.
         """
+        ...
+
+    def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
+        """The flat pool slot of each new token of the planned batch in this KV group (device, [T]),
+        for a q/k/v step that stores K/V itself in the same launch as its rope; None where the
+        backend stores them. After `plan_decode_graph` these sit at fixed addresses, with padding
+        rows at the dummy page, so a decode graph may capture them."""
         ...
 
     def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:

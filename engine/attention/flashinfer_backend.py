@@ -22,6 +22,7 @@ from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
     append_coordinates,
+    decode_slots,
     empty_layout,
     pad_layout,
     page_indices,
@@ -41,6 +42,7 @@ class _Append:
     indices: torch.Tensor  # the rows' listed pages, concatenated
     indptr: torch.Tensor  # [B + 1]
     last_page_len: torch.Tensor  # [B]
+    slots: torch.Tensor  # [T]: each new token's flat pool slot, for a q/k/v step that stores K/V itself
 
 
 @dataclass
@@ -52,7 +54,9 @@ class _GraphBuffers:
     indices: torch.Tensor  # int32 [capacity]
     last_page_len: torch.Tensor  # int32 [max_bs]
     rows: torch.Tensor  # int32 [max_bs]: 0, 1, 2, ...: decode rows append one token each
-    positions: torch.Tensor  # int32 [max_bs]: rewritten by each plan
+    # int32 [2, max_bs], rewritten by each plan in one copy: row 0 each new token's position in its
+    # row's listed KV (the append kernel's), row 1 its flat pool slot (`new_kv_slots`).
+    coords: torch.Tensor
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
 
@@ -62,7 +66,8 @@ class FlashInferBackend:
 
     New K/V go in with flashinfer's `append_paged_kv_cache`, one kernel for K and V per layer (two
     torch index_puts cost three times as long at small batch), addressed through the same page lists
-    as attention.
+    as attention; or, where the model's rope kernel stores them in the same launch (`new_kv_slots`,
+    `forward(stored=True)`), not at all here.
 
     Invariants: pages below a row's kv_start are never listed (evicted pages are stale); padding rows
     of a decode graph list only the pool's dummy page and store K/V only there; a plan never
@@ -151,7 +156,7 @@ class FlashInferBackend:
                 wrapper = self.prefill[gid]
                 self._plan_prefill(wrapper, gid, qo_indptr, pinned, dev[3])
             self._active[gid] = wrapper
-            self._append[gid] = _Append(dev[4], dev[5], dev[3], dev[0], dev[1])
+            self._append[gid] = _Append(dev[4], dev[5], dev[3], dev[0], dev[1], paging.out_cache_loc)
         self._record_plan()
 
     def _send(self, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -233,7 +238,7 @@ class FlashInferBackend:
                 indices=indices,
                 last_page_len=last,
                 rows=rows,
-                positions=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+                coords=torch.zeros(2, max_bs, dtype=torch.int32, device=self.device),
                 wrappers=wrappers,
             )
 
@@ -253,22 +258,27 @@ class FlashInferBackend:
             # Padding rows list the dummy page alone (one token), so they store K/V only there.
             indices = torch.cat([indices, torch.full((pad,), group.num_pages, dtype=torch.int32)])
             padded = pad_layout(layout, graph_bs)
-            # Each row's new token is the last of its listed KV.
-            parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, padded.kv_lens - 1]
-            host, dev = self._send(parts)
+            # Each row's new token is the last of its listed KV; padding rows' is the dummy page's first.
+            slots = decode_slots(padded, indices, self.page_size)
+            coords = torch.cat((padded.kv_lens - 1, slots))
+            host, dev = self._send([padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords])
             wrapper = bufs.wrappers[graph_bs]
             # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
             self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
-            bufs.positions[:graph_bs].copy_(dev[4])
+            bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
             self._active[gid] = wrapper
             self._append[gid] = _Append(
                 bufs.rows[:graph_bs],
-                bufs.positions[:graph_bs],
+                bufs.coords[0, :graph_bs],
                 bufs.indices,
                 bufs.indptr[: graph_bs + 1],
                 bufs.last_page_len[:graph_bs],
+                bufs.coords[1, :graph_bs],
             )
         self._record_plan()
+
+    def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
+        return self._append[group_id].slots
 
     # ---- running ---------------------------------------------------------------------------------
     def forward(
@@ -279,12 +289,21 @@ class FlashInferBackend:
         v: torch.Tensor,
         pool: KVPool,
         out: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         gid = pool.layer_group[layer.layer_id]
         a = self._append[gid]
-        flashinfer.append_paged_kv_cache(
-            k, v, a.rows, a.positions, pool.paged_view(layer.layer_id), a.indices, a.indptr, a.last_page_len
-        )
+        if not stored:
+            flashinfer.append_paged_kv_cache(
+                k,
+                v,
+                a.rows,
+                a.positions,
+                pool.paged_view(layer.layer_id),
+                a.indices,
+                a.indptr,
+                a.last_page_len,
+            )
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
         result = self._active[gid].run(q.contiguous(), pool.paged_view(layer.layer_id), out=heads)
         return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]

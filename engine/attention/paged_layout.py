@@ -106,3 +106,11 @@ def append_coordinates(kv_lens: torch.Tensor, extend_lens: torch.Tensor) -> tupl
     offsets = np.arange(rows.shape[0]) - np.repeat(np.cumsum(ext) - ext, ext)
     positions = first[rows] + offsets
     return torch.from_numpy(rows.astype(np.int32)), torch.from_numpy(positions.astype(np.int32))
+
+
+def decode_slots(layout: PagedLayout, indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The flat pool slot of each decode row's new token, host int32 [B]: the last token of the row's
+    listed KV, in its last listed page. int32 is ample: a pool of 2**31 token slots would need more
+    than 512 GB per layer."""
+    last_page = indices.numpy().astype(np.int64)[layout.indptr.numpy().astype(np.int64)[1:] - 1]
+    return _int32(last_page * page_size + layout.last_page_len.numpy().astype(np.int64) - 1)

@@ -82,9 +82,11 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         pool: KVPool,
         out: torch.Tensor | None = None,
+        stored: bool = False,
     ) -> torch.Tensor:
         group_id = pool.layer_group[layer.layer_id]
-        pool.store(layer.layer_id, self._out_loc[group_id], k, v)
+        if not stored:
+            pool.store(layer.layer_id, self._out_loc[group_id], k, v)
         k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if out is None:
             out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
@@ -103,6 +105,9 @@ class TorchAttentionBackend:
                 ob = _softcapped(qb, kb, vb, row.mask, layer.scale, layer.softcap)
             heads[row.q_start : row.q_start + row.q_len] = ob.transpose(0, 1)
         return out
+
+    def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
+        return None  # the reference stores K/V itself, with index_put
 
     def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
         raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")

@@ -9,10 +9,13 @@ and writing contiguous q and k, as the rope kernel did. Measured alone in CUDA g
 (benchmarks/results/kernel-choices-qk-norm-rope.json): 2.2 us against 7.8 us for the three kernels at
 256 tokens, 1.5 against 5.2 at one token. `FusedKernels.qk_norm_rope` runs it on CUDA.
 
+Without q/k norm weights it is the rope alone (Llama, Mistral, Qwen2, Gemma 2), so every model whose
+rope covers the whole head takes the same kernel.
+
 With `kv_cache` it writes the rotated k and the untouched v straight into the paged cache at each
 token's slot instead, taking the place of the append kernel too (2.6 against 10.1 us with flashinfer's
-append at 256 tokens). The engine does not use that form yet: the append coordinates are planned by
-the attention backend.
+append at 256 tokens). The model takes that form wherever the attention backend hands it the new
+tokens' slots (`AttentionBackend.new_kv_slots`): flashinfer's decode graphs and eager batches.
 
 Numerics follow the flashinfer chain: each norm is computed in float32 and rounded once to the output
 dtype (the Gemma form scales by 1 + w), and the rope rotates those rounded values in float32 with the
@@ -52,6 +55,7 @@ def qk_norm_rope_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     BLOCK_H: tl.constexpr,
     GEMMA: tl.constexpr,
     APPEND: tl.constexpr,  # k_out_ptr is the K cache [slots, HKV, D]; v goes to v_cache_ptr
+    NORM: tl.constexpr,  # per-head RMS norms before the rope; without, qw_ptr and kw_ptr are unused
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q heads first, then k heads
@@ -61,19 +65,23 @@ def qk_norm_rope_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     row = qkv_ptr + t * stride_qkv + heads[:, None] * D
     x1 = tl.load(row + half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(row + D // 2 + half[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
-    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
-    w2 = tl.where(
-        is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :], tl.load(kw_ptr + D // 2 + half)[None, :]
-    )
-    w1 = w1.to(tl.float32)
-    w2 = w2.to(tl.float32)
-    if GEMMA:
-        w1 = w1 + 1.0
-        w2 = w2 + 1.0
     out_ty = q_out_ptr.dtype.element_ty
-    y1 = (x1 * rstd * w1).to(out_ty).to(tl.float32)  # the norm's one rounding
-    y2 = (x2 * rstd * w2).to(out_ty).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
+        w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
+        w2 = tl.where(
+            is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :], tl.load(kw_ptr + D // 2 + half)[None, :]
+        )
+        w1 = w1.to(tl.float32)
+        w2 = w2.to(tl.float32)
+        if GEMMA:
+            w1 = w1 + 1.0
+            w2 = w2 + 1.0
+        y1 = (x1 * rstd * w1).to(out_ty).to(tl.float32)  # the norm's one rounding
+        y2 = (x2 * rstd * w2).to(out_ty).to(tl.float32)
+    else:
+        y1 = x1
+        y2 = x2
     pos = tl.load(pos_ptr + t)
     cos = tl.load(table_ptr + pos * stride_table + half)[None, :]
     sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)[None, :]
@@ -104,8 +112,8 @@ def qk_norm_rope_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
 def qk_norm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
     table: torch.Tensor,
     *,
     num_heads: int,
@@ -117,13 +125,19 @@ def qk_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) * D] (the merged projection) -> q [T, H, D] and k [T, Hkv, D].
 
+    Without `q_weight` and `k_weight` (both None) there are no norms: the rope alone.
     With `kv_cache` = (k_cache, v_cache, slots), caches [num_slots, Hkv, D] (a paged pool viewed by
     token slot) and slots [T] the slot of each token, k and v are written there instead, and the k cache
     is returned in k's place."""
-    d = q_weight.shape[0]
+    d = table.shape[1]
     tokens = qkv.shape[0]
-    if qkv.stride(1) != 1 or table.shape[1] != d or d % 2:
-        raise ValueError("qkv needs a contiguous last dim and the table one rotary width of head_dim")
+    if qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or d % 2:
+        raise ValueError("qkv needs a contiguous last dim of (H + 2 Hkv) x the table's rotary width")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q/k norm weights or neither")
+    norm = q_weight is not None
+    if any(w is not None and w.shape[0] != d for w in (q_weight, k_weight)):
+        raise ValueError("the q/k norm weights need the table's rotary width")
     q = torch.empty((tokens, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if kv_cache is None:
         k = torch.empty((tokens, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
@@ -134,8 +148,8 @@ def qk_norm_rope(
     launch(
         qkv,
         positions,
-        q_weight,
-        k_weight,
+        q_weight if norm else qkv,  # placeholders without norms: never read
+        k_weight if norm else qkv,
         table,
         q,
         k,
@@ -150,5 +164,6 @@ def qk_norm_rope(
         BLOCK_H=block_h,
         GEMMA=gemma,
         APPEND=kv_cache is not None,
+        NORM=norm,
     )
     return q, k

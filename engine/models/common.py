@@ -101,36 +101,53 @@ class Attention(nn.Module):
             window=window,
             softcap=c.attn_softcap,
         )
-        # On CUDA, both per-head norms and the rope in one launch when the rope covers the whole head.
+        # On CUDA, the per-head norms (where the model has them) and the rope in one Triton launch
+        # when the rope covers the whole head; that launch can also store K/V (`stores_kv`).
         table = self.rotary.table
         self.fused_qk = (
             b.kernels is not None
             and b.kernels.qk_norm_rope is not None
-            and c.qk_norm
             and table is not None
             and table.shape[-1] == c.head_dim
+            and c.head_dim & (c.head_dim - 1) == 0  # the kernel's blocks span half a head
         )
         self.kernels = b.kernels
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> QKV:
-        """Everything before the attention kernel: projection, per-head norms and rope."""
+    def stores_kv(self, ctx: ForwardContext | None) -> bool:
+        """Whether `qkv` under `ctx` writes this step's K/V into the pool itself, so attention must not:
+        with the fused launch, where the backend hands over the new tokens' slots."""
+        return (
+            ctx is not None
+            and self.fused_qk
+            and ctx.attention.new_kv_slots(ctx.pool.layer_group[self.spec.layer_id]) is not None
+        )
+
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
+        """Everything before the attention kernel: projection, per-head norms and rope; with `ctx`,
+        also the K/V store where `stores_kv(ctx)` (k then comes back as the layer's K cache)."""
         s = self.spec
         merged = self.qkv_proj(x)
         q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.fused_qk:
-            assert self.kernels is not None and self.q_norm is not None and self.k_norm is not None
-            assert self.rotary.table is not None and self.kernels.qk_norm_rope is not None
+            assert self.kernels is not None and self.rotary.table is not None
+            assert self.kernels.qk_norm_rope is not None
+            slots = None if ctx is None else ctx.attention.new_kv_slots(ctx.pool.layer_group[s.layer_id])
+            store = None
+            if ctx is not None and slots is not None:
+                store = (ctx.pool.k[s.layer_id], ctx.pool.v[s.layer_id], slots)
+            q_norm, k_norm = self.q_norm, self.k_norm
             q, k = self.kernels.qk_norm_rope(
                 merged,
                 positions,
-                self.q_norm.weight,
-                self.k_norm.weight,
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
                 self.rotary.table,
                 num_heads=s.num_heads,
                 num_kv_heads=s.num_kv_heads,
-                eps=self.q_norm.eps,
-                gemma=self.q_norm.gemma,
+                eps=0.0 if q_norm is None else q_norm.eps,
+                gemma=q_norm is not None and q_norm.gemma,
+                kv_cache=store,
             )
             return q, k, v
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -218,19 +235,30 @@ class DecoderBody(nn.Module):
     # The pieces between attention calls. The eager forward chains them with attention in between;
     # the piecewise CUDA graphs capture each piece per token bucket and run attention eagerly, so
     # both paths share these modules and only attention metadata stays outside every graph.
-    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Piece:
+    # `ctx`, where given, lets the q/k/v step store K/V itself (Attention.stores_kv); the piecewise
+    # graphs leave it out, since their captured pieces must not bake in one batch's slots.
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> Piece:
         """Embedding, then layer 0 up to its attention: (residual, q, k, v)."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         layer = self.layer(0)
-        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x)))
+        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x), ctx))
 
-    def middle_piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor) -> Piece:
+    def middle_piece(
+        self,
+        i: int,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        attn_out: torch.Tensor,
+        ctx: ForwardContext | None = None,
+    ) -> Piece:
         """Finish layer i - 1 from its attention output, then run layer i up to its attention."""
         layer = self.layer(i)
         x, h = self.layer(i - 1).finish(x, attn_out, layer.input_layernorm)
-        return (x, *layer.self_attn.qkv(positions, h))
+        return (x, *layer.self_attn.qkv(positions, h, ctx))
 
     def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Finish the last layer, then the final norm."""
@@ -239,13 +267,14 @@ class DecoderBody(nn.Module):
     def attend(
         self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        return ctx.attention.forward(self.layer(i).self_attn.spec, q, k, v, ctx.pool)
+        attn = self.layer(i).self_attn
+        return ctx.attention.forward(attn.spec, q, k, v, ctx.pool, stored=attn.stores_kv(ctx))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, q, k, v = self.first_piece(input_ids, positions)
+        x, q, k, v = self.first_piece(input_ids, positions, ctx)
         last = len(self.layers) - 1
         for i in range(last):
-            x, q, k, v = self.middle_piece(i + 1, positions, x, self.attend(i, q, k, v, ctx))
+            x, q, k, v = self.middle_piece(i + 1, positions, x, self.attend(i, q, k, v, ctx), ctx)
         return self.last_piece(x, self.attend(last, q, k, v, ctx))
 
 

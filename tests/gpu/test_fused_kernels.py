@@ -196,6 +196,40 @@ def test_qk_norm_rope_in_one_launch(
     close(got_k, chain_k)
 
 
+def test_rope_alone_and_its_kv_store_in_one_launch(kernels: FusedKernels) -> None:
+    """Without q/k norms (Llama-like) the Triton launch matches flashinfer's rope and the torch one, and
+    its store form writes the same rotated k and the untouched v at the given slots of a paged cache,
+    nowhere else."""
+    assert kernels.qk_norm_rope is not None
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    heads, kv_heads, tokens = 32, 8, 6
+    rope = RopeConfig(theta=5e5, rope_type="llama3", factor=8.0, original_max_position=8192)
+    rotary_ref, rotary = RotaryEmbedding(rope, 128, DEVICE), RotaryEmbedding(rope, 128, DEVICE, kernels)
+    assert rotary.table is not None
+    positions = torch.tensor([0, 1, 511, 4095, 8191, 7], device=DEVICE)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * 128, generator=g, device=DEVICE) * 3).to(BF16)
+    q, k, v = qkv.split([heads * 128, kv_heads * 128, kv_heads * 128], dim=-1)
+    q, k = q.view(-1, heads, 128), k.view(-1, kv_heads, 128)
+    common: dict[str, Any] = dict(num_heads=heads, num_kv_heads=kv_heads, eps=0.0, gemma=False)
+    got_q, got_k = kernels.qk_norm_rope(qkv, positions, None, None, rotary.table, **common)
+    for want_q, want_k in (rotary(positions, q, k), rotary_ref(positions, q, k)):  # flashinfer, torch
+        close(got_q, want_q)
+        close(got_k, want_k)
+    for slot_dtype in (torch.int32, torch.int64):  # decode graphs' slots, and eager batches'
+        k_cache = torch.zeros(64, kv_heads, 128, dtype=BF16, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.tensor([5, 63, 0, 17, 18, 40], dtype=slot_dtype, device=DEVICE)
+        stored_q, _ = kernels.qk_norm_rope(
+            qkv, positions, None, None, rotary.table, kv_cache=(k_cache, v_cache, slots), **common
+        )
+        assert torch.equal(stored_q, got_q)
+        assert torch.equal(k_cache[slots.long()], got_k)
+        assert torch.equal(v_cache[slots.long()], v.reshape(tokens, kv_heads, 128))
+        others = torch.ones(64, dtype=torch.bool, device=DEVICE)
+        others[slots.long()] = False
+        assert not k_cache[others].any() and not v_cache[others].any()
+
+
 def test_one_pass_race_follows_the_softmax(kernels: FusedKernels) -> None:
     """The sampler's one-pass race (sampling_race.py) on bf16 logits of a padded LM head: frequencies
     match softmax(logits / T), a -inf token never comes up, greedy rows stay argmax, and the tokens are

@@ -9,6 +9,7 @@ from tandem.engine.attention.base import LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     append_coordinates,
+    decode_slots,
     empty_layout,
     pad_layout,
     page_indices,
@@ -79,6 +80,29 @@ def test_append_coordinates_address_the_new_tokens_slots(page_size: int) -> None
     ]
     assert got == expected
     assert all(int(p) < int(layout.kv_lens[r]) for r, p in zip(rows.tolist(), positions.tolist()))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_slots_are_the_new_tokens_slots_and_padding_the_dummy_page(page_size: int) -> None:
+    """What a decode graph's q/k/v step stores K/V at: each row's slot for its newest position, as the
+    scheduler allocated it, over window-evicted page lists; padding rows at the dummy page's first slot."""
+    g = torch.Generator().manual_seed(2)
+    seq = [1, 17, 40, 64, 33]
+    kv_start = [0, 0, 24 // page_size * page_size, 48 // page_size * page_size, 0]
+    width = max(-(-n // page_size) for n in seq)
+    table = torch.randperm(len(seq) * width, generator=g).view(len(seq), width).to(torch.int32)
+    start_t = torch.tensor(kv_start, dtype=torch.int32)
+    layout = paged_layout(torch.tensor(seq, dtype=torch.int32), start_t, page_size)
+    dummy = 10_000
+    indices = torch.cat(
+        [page_indices(table, start_t, layout, page_size), torch.full((3,), dummy, dtype=torch.int32)]
+    )
+    slots = decode_slots(pad_layout(layout, len(seq) + 3), indices, page_size)
+    assert slots.dtype == torch.int32
+    expected = [
+        int(table[b, (n - 1) // page_size]) * page_size + (n - 1) % page_size for b, n in enumerate(seq)
+    ]
+    assert slots.tolist() == expected + [dummy * page_size] * 3
 
 
 def test_rows_without_live_tokens_are_rejected() -> None:
