@@ -69,6 +69,7 @@ class Engine:
             dtype=config.dtype,
             device=config.device,
         )
+        self.model.warm_up_kv_store(self.pool)  # on CUDA: no Triton build waits for the first long prefill
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
             self.groups, config.page_size, config.device, layers=self.model.layer_specs(), dtype=config.dtype
         )

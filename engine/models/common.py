@@ -122,6 +122,43 @@ class Attention(nn.Module):
             and ctx.attention.new_kv_slots(ctx.pool.layer_group[self.spec.layer_id]) is not None
         )
 
+    def _fused(
+        self,
+        merged: torch.Tensor,
+        positions: torch.Tensor,
+        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one Triton launch: the q/k norms where the layer has them, the rope, and with `store`
+        (k cache, v cache, slots) the K/V store."""
+        assert self.kernels is not None and self.kernels.qk_norm_rope is not None
+        assert self.rotary.table is not None
+        s, q_norm, k_norm = self.spec, self.q_norm, self.k_norm
+        return self.kernels.qk_norm_rope(
+            merged,
+            positions,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            self.rotary.table,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            eps=0.0 if q_norm is None else q_norm.eps,
+            gemma=q_norm is not None and q_norm.gemma,
+            kv_cache=store,
+        )
+
+    def warm_up_store(self, pool: KVPool) -> None:
+        """Build the fused launch's store form for eager batches (their own int64 slots) now, at start:
+        otherwise the first eager batch, a long prefill, would wait on a Triton build. It writes one
+        token of zeros into the group's dummy page, which no request owns."""
+        if not self.fused_qk:
+            return
+        layer = self.spec.layer_id
+        k_cache, v_cache = pool.k[layer], pool.v[layer]
+        slot = pool.dummy_page(pool.layer_group[layer]) * pool.page_size
+        merged = k_cache.new_zeros(1, sum(self.qkv_proj.output_sizes))
+        slots = torch.full((1,), slot, dtype=torch.int64, device=k_cache.device)
+        self._fused(merged, torch.zeros_like(slots), (k_cache, v_cache, slots))
+
     def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
         """Everything before the attention kernel: projection, per-head norms and rope; with `ctx`,
         also the K/V store where `stores_kv(ctx)` (k then comes back as the layer's K cache)."""
@@ -130,25 +167,11 @@ class Attention(nn.Module):
         q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.fused_qk:
-            assert self.kernels is not None and self.rotary.table is not None
-            assert self.kernels.qk_norm_rope is not None
-            slots = None if ctx is None else ctx.attention.new_kv_slots(ctx.pool.layer_group[s.layer_id])
             store = None
+            slots = None if ctx is None else ctx.attention.new_kv_slots(ctx.pool.layer_group[s.layer_id])
             if ctx is not None and slots is not None:
                 store = (ctx.pool.k[s.layer_id], ctx.pool.v[s.layer_id], slots)
-            q_norm, k_norm = self.q_norm, self.k_norm
-            q, k = self.kernels.qk_norm_rope(
-                merged,
-                positions,
-                None if q_norm is None else q_norm.weight,
-                None if k_norm is None else k_norm.weight,
-                self.rotary.table,
-                num_heads=s.num_heads,
-                num_kv_heads=s.num_kv_heads,
-                eps=0.0 if q_norm is None else q_norm.eps,
-                gemma=q_norm is not None and q_norm.gemma,
-                kv_cache=store,
-            )
+            q, k = self._fused(merged, positions, store)
             return q, k, v
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
@@ -309,6 +332,11 @@ class CausalLM(nn.Module):
     def local_kv_heads(self) -> int:
         """KV heads this rank holds (the KV pool's width)."""
         return self.model.layer(0).self_attn.spec.num_kv_heads
+
+    def warm_up_kv_store(self, pool: KVPool) -> None:
+        """Build the fused rope + K/V store launch of every layer that has one (see Attention)."""
+        for i in range(len(self.model.layers)):
+            self.model.layer(i).self_attn.warm_up_store(pool)
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]
