@@ -5,7 +5,8 @@ to pick for each part, on the shapes of the two speed targets (Llama-3.1-8B deco
 Qwen3-0.6B offline at batch up to 256):
 
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
-  kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
+  kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans, and a
+  one-launch Triton split-KV kernel (triton_decode_attention.py) at several split counts;
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
 - weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
@@ -123,7 +124,13 @@ def attention_rows(
             row[name] = round(graph_us(run, layers), 2)
         except Exception as exc:  # one variant's failure must not hide the others
             row[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-    timed = {n: row[n] for n, _, _ in variants if isinstance(row.get(n), float)}
+    if only is None or "triton" in only:  # the one-launch split-KV candidate, at several split counts
+        from tandem.benchmarks.triton_decode_attention import time_splits
+
+        time_splits(row, case, shape["heads"], q, reference, layers)
+    timed = {
+        n: v for n, v in row.items() if n.split("-")[0] in {"tc", "cc", "triton"} and isinstance(v, float)
+    }
     if timed:
         best = min(timed, key=timed.__getitem__)
         row["best"] = best
@@ -276,7 +283,9 @@ def main() -> None:
     parser.add_argument(
         "--attention-cases", default="", help="model:batch:context:layers,... (default: the built-in cases)"
     )
-    parser.add_argument("--attention-variants", default="", help="names in ATTENTION_VARIANTS (default: all)")
+    parser.add_argument(
+        "--attention-variants", default="", help="names in ATTENTION_VARIANTS, or triton (default: all)"
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     gemm_libs = tuple(args.gemm_libs.split(","))
