@@ -116,11 +116,15 @@ class Attention(nn.Module):
     def stores_kv(self, ctx: ForwardContext | None) -> bool:
         """Whether `qkv` under `ctx` writes this step's K/V into the pool itself, so attention must not:
         with the fused launch, where the backend hands over the new tokens' slots."""
-        return (
-            ctx is not None
-            and self.fused_qk
-            and ctx.attention.new_kv_slots(ctx.pool.layer_group[self.spec.layer_id]) is not None
-        )
+        return self._store(ctx) is not None
+
+    def _store(self, ctx: ForwardContext | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k cache, v cache, slots) for the fused launch's K/V store under `ctx`, or None."""
+        if ctx is None or not self.fused_qk:
+            return None
+        layer = self.spec.layer_id
+        slots = ctx.attention.new_kv_slots(ctx.pool.layer_group[layer])
+        return None if slots is None else (ctx.pool.k[layer], ctx.pool.v[layer], slots)
 
     def _fused(
         self,
@@ -167,11 +171,7 @@ class Attention(nn.Module):
         q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.fused_qk:
-            store = None
-            slots = None if ctx is None else ctx.attention.new_kv_slots(ctx.pool.layer_group[s.layer_id])
-            if ctx is not None and slots is not None:
-                store = (ctx.pool.k[s.layer_id], ctx.pool.v[s.layer_id], slots)
-            q, k = self._fused(merged, positions, store)
+            q, k = self._fused(merged, positions, self._store(ctx))
             return q, k, v
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
