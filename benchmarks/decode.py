@@ -45,6 +45,9 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--fused-decode-max-bs", type=int, default=None, help="the engine option (default: its default)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -63,7 +66,14 @@ def main() -> None:
     print(f"model at {model_dir} in {model_s:.0f} s; building the engine", flush=True)
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
     start = time.perf_counter()
-    engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
+    engine = build_engine(
+        model_dir,
+        device,
+        num_pages=num_pages,
+        cuda_graph=True,
+        max_bs=max(batches),
+        fused_decode_max_bs=args.fused_decode_max_bs,
+    )
     print(
         f"engine in {time.perf_counter() - start:.0f} s (graph capture {engine.capture_seconds:.0f} s)",
         flush=True,

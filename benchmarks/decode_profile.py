@@ -127,6 +127,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--fused-decode-max-bs", type=int, default=None, help="the engine option (default: its default)"
+    )
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--gemm-shape", default="", help="e.g. 64,128,64: a smaller GEMM set (smoke tests)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -154,7 +157,14 @@ def main() -> None:
         Path(f"/tmp/tandem-bench/{args.shape}-{layers}l"), family, device=device, **shape
     )
     num_pages = sum(batches) * -(-(args.context + 1) // PAGE) + 64
-    engine = build_engine(model_dir, device, num_pages=num_pages, cuda_graph=True, max_bs=max(batches))
+    engine = build_engine(
+        model_dir,
+        device,
+        num_pages=num_pages,
+        cuda_graph=True,
+        max_bs=max(batches),
+        fused_decode_max_bs=args.fused_decode_max_bs,
+    )
     graphs = engine.decode_graphs
     cost = ModelCost.of(engine.model_config)
     rate = ceilings["bf16_matmul_TFLOPs"] * 1e12

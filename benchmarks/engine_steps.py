@@ -21,8 +21,16 @@ PAGE = 16
 
 
 def build_engine(
-    model_dir: Path, device: torch.device, *, num_pages: int, cuda_graph: bool, max_bs: int
+    model_dir: Path,
+    device: torch.device,
+    *,
+    num_pages: int,
+    cuda_graph: bool,
+    max_bs: int,
+    fused_decode_max_bs: int | None = None,
 ) -> Engine:
+    """An engine for decode timings; `fused_decode_max_bs` None keeps the engine's default."""
+    extra = {} if fused_decode_max_bs is None else {"fused_decode_max_bs": fused_decode_max_bs}
     config = resolve_engine_config(
         model_dir,
         device=str(device),
@@ -31,6 +39,7 @@ def build_engine(
         cuda_graph=cuda_graph,
         piecewise_cuda_graph=False,  # decode only
         cuda_graph_max_bs=max_bs,
+        **extra,
     )
     engine = Engine(config, TPGroup(), StreamSet(config.device))
     gen = torch.Generator(device=config.device).manual_seed(0)

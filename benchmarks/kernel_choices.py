@@ -5,8 +5,9 @@ to pick for each part, on the shapes of the two speed targets (Llama-3.1-8B deco
 Qwen3-0.6B offline at batch up to 256):
 
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
-  kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans, and a
-  one-launch Triton split-KV kernel (triton_decode_attention.py) at several split counts;
+  kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
+- decode_fused (decode_fused_variants.py): the rope with the K/V store then flashinfer's decode, against
+  the one-launch small-batch decode (engine/attention/triton_decode.py) at several splits and block sizes;
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
 - weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
@@ -40,6 +41,7 @@ from tandem.benchmarks.common import (
     release_memory,
     write_result,
 )
+from tandem.benchmarks.decode_fused_variants import decode_fused_rows
 from tandem.benchmarks.engine_steps import sampling
 from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
@@ -124,13 +126,7 @@ def attention_rows(
             row[name] = round(graph_us(run, layers), 2)
         except Exception as exc:  # one variant's failure must not hide the others
             row[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-    if only is None or "triton" in only:  # the one-launch split-KV candidate, at several split counts
-        from tandem.benchmarks.triton_decode_attention import time_splits
-
-        time_splits(row, case, shape["heads"], q, reference, layers)
-    timed = {
-        n: v for n, v in row.items() if n.split("-")[0] in {"tc", "cc", "triton"} and isinstance(v, float)
-    }
+    timed = {n: v for n, v in row.items() if n.split("-")[0] in {"tc", "cc"} and isinstance(v, float)}
     if timed:
         best = min(timed, key=timed.__getitem__)
         row["best"] = best
@@ -277,15 +273,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--parts", default="attention,kv_store,gemm,pdl,sampling,qk_norm_rope")
+    parser.add_argument("--parts", default="attention,decode_fused,kv_store,gemm,pdl,sampling,qk_norm_rope")
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
     parser.add_argument(
         "--attention-cases", default="", help="model:batch:context:layers,... (default: the built-in cases)"
     )
-    parser.add_argument(
-        "--attention-variants", default="", help="names in ATTENTION_VARIANTS, or triton (default: all)"
-    )
+    parser.add_argument("--attention-variants", default="", help="names in ATTENTION_VARIANTS (default: all)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     gemm_libs = tuple(args.gemm_libs.split(","))
@@ -325,6 +319,9 @@ def main() -> None:
     only = set(args.attention_variants.split(",")) if args.attention_variants else None
     for shape, bs, ctx, layers in attention_cases:
         section("attention", attention_rows, shape, bs, ctx, layers, bandwidth, only)
+    fused_cases = [(LLAMA, b, 512) for b in (1, 2, 4, 8, 16, 32)] + [(LLAMA, 1, 4096), (QWEN, 8, 1024)]
+    for shape, bs, ctx in fused_cases[::3] if args.quick else fused_cases:
+        section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
         section("kv_store", kv_store_rows, shape, bs, 32)
     gemm_batches = [int(b) for b in args.gemm_batches.split(",")] if not args.quick else [1]
@@ -348,11 +345,24 @@ def main() -> None:
         out_dir=args.out_dir,
     )
     print(f"\n{path}")
-    for part in ("attention", "kv_store", "gemm", "layer_chain_pdl", "sampling", "qk_norm_rope"):
+    for part in (
+        "attention",
+        "decode_fused",
+        "kv_store",
+        "gemm",
+        "layer_chain_pdl",
+        "sampling",
+        "qk_norm_rope",
+    ):
         group = [r for r in rows if r.get("part") == part]
         if group:
             print_table(
-                group, [k for k in group[0] if k not in ("part", "triton_sweep") and not k.endswith("_err")]
+                group,
+                [
+                    k
+                    for k in group[0]
+                    if k not in ("part", "triton_sweep") and not k.endswith(("_err", "_stores", "_replays"))
+                ],
             )
 
 

@@ -84,6 +84,12 @@ class EngineArgs(BaseModel):
     piecewise_max_tokens: int | None = Field(
         default=None, ge=1, description="Largest prefill batch, in tokens, run through piecewise graphs."
     )
+    fused_decode_max_bs: int | None = Field(
+        default=None,
+        ge=0,
+        description="Largest decode graph whose layers run rope, K/V store and attention as one Triton "
+        "launch; 0 keeps flashinfer's decode throughout.",
+    )
 
     def to_llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `LLM(model, **kwargs)`: every field that is not None."""

@@ -71,7 +71,12 @@ class Engine:
         )
         self.model.warm_up_kv_store(self.pool)  # on CUDA: no Triton build waits for the first long prefill
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
-            self.groups, config.page_size, config.device, layers=self.model.layer_specs(), dtype=config.dtype
+            self.groups,
+            config.page_size,
+            config.device,
+            layers=self.model.layer_specs(),
+            dtype=config.dtype,
+            fused_decode_max_bs=config.fused_decode_max_bs,
         )
         self.sampler = Sampler(
             mc.vocab_size,

@@ -15,6 +15,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _BACKENDS = ("auto", "torch", "flashinfer")
 # The head sizes flashinfer's kernels are built and tested for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+# Decode graphs of up to this many rows take the one-launch decode by default (see EngineConfig).
+FUSED_DECODE_MAX_BS = 8
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class EngineConfig:
     fused_kernels: bool = False  # flashinfer's fused norm and rope kernels instead of torch ops
     cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
     piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
+    # Decode graphs of up to this many rows run each full-attention layer's rope, K/V store, attention
+    # and split merge as one Triton launch (attention/triton_decode.py); 0 turns that off.
+    fused_decode_max_bs: int = 0
     max_batch_size: int = 256
 
     def switches(self) -> dict[str, object]:
@@ -50,6 +55,7 @@ class EngineConfig:
             "fused_kernels": self.fused_kernels,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "piecewise_max_tokens": self.piecewise_max_tokens,
+            "fused_decode_max_bs": self.fused_decode_max_bs,
             "page_size": self.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
@@ -123,6 +129,7 @@ def resolve_engine_config(
     fused_kernels: bool = True,
     cuda_graph_max_bs: int = 256,
     piecewise_max_tokens: int = 2048,
+    fused_decode_max_bs: int = FUSED_DECODE_MAX_BS,
     kv_tokens_cpu: int = 32768,
 ) -> EngineConfig:
     dev = resolve_device(device)
@@ -136,12 +143,16 @@ def resolve_engine_config(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(fused_decode_max_bs, int) or fused_decode_max_bs < 0:
+        raise ValueError(f"fused_decode_max_bs must be an int >= 0, got {fused_decode_max_bs!r}")
     on_gpu = dev.type == "cuda"
     backend = resolve_backend(attention_backend, dev, _head_dim(model_dir) if on_gpu else None)
     # flashinfer and CUDA graphs like 16-token pages; on CPU small pages keep tiny pools fine-grained.
     resolved_page = page_size or (16 if on_gpu else 4)
     if num_pages is None and not on_gpu:
         num_pages = max(1, kv_tokens_cpu // resolved_page)
+    graphs = cuda_graph and on_gpu and backend == "flashinfer"
+    fused = fused_kernels and backend == "flashinfer"
     return EngineConfig(
         model_dir=model_dir,
         device=dev,
@@ -151,11 +162,13 @@ def resolve_engine_config(
         mem_fraction=mem_fraction,
         attention_backend=backend,
         # Decode graphs need an attention backend that plans into fixed buffers (flashinfer).
-        cuda_graph=cuda_graph and on_gpu and backend == "flashinfer",
+        cuda_graph=graphs,
         piecewise_cuda_graph=piecewise_cuda_graph and on_gpu,
         copy_stream=copy_stream and on_gpu,
         # Same condition as the backend: flashinfer imports and serves the head size.
-        fused_kernels=fused_kernels and backend == "flashinfer",
+        fused_kernels=fused,
         cuda_graph_max_bs=cuda_graph_max_bs,
         piecewise_max_tokens=piecewise_max_tokens,
+        # The one-launch decode lives inside decode graphs and is one of the fused kernels.
+        fused_decode_max_bs=fused_decode_max_bs if graphs and fused else 0,
     )

@@ -13,7 +13,7 @@ import torch
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.engine_config import resolve_engine_config
+from tandem.engine.engine_config import FUSED_DECODE_MAX_BS, resolve_engine_config
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
@@ -45,6 +45,7 @@ class RuntimeOptions:
     fused_kernels: bool = True  # flashinfer and Triton kernels on CUDA (off: the torch reference ops)
     cuda_graph_max_bs: int = 256
     piecewise_max_tokens: int = 2048
+    fused_decode_max_bs: int = FUSED_DECODE_MAX_BS  # 0: flashinfer's decode at every batch size
 
     def validate(self) -> None:
         names = ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len")
@@ -52,6 +53,8 @@ class RuntimeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.fused_decode_max_bs, int) or self.fused_decode_max_bs < 0:
+            raise ValueError(f"fused_decode_max_bs must be an int >= 0, got {self.fused_decode_max_bs!r}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class RankRuntime:
             fused_kernels=options.fused_kernels,
             cuda_graph_max_bs=options.cuda_graph_max_bs,
             piecewise_max_tokens=options.piecewise_max_tokens,
+            fused_decode_max_bs=options.fused_decode_max_bs,
         )
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)

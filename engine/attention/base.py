@@ -8,12 +8,15 @@ graph (decode) or eagerly between captured pieces (piecewise prefill).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from tandem.engine.attention.triton_decode import DecodeScratch
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,19 @@ class LayerSpec:
     scale: float
     window: int | None  # keys in (q - window, q] are visible; None for full attention
     softcap: float | None
+
+
+@dataclass(frozen=True)
+class FusedDecode:
+    """What the one-launch small-batch decode (triton_decode.py) reads for one KV group of a planned decode
+    graph: fixed-address buffers, rewritten by every plan, so a graph may capture the launch."""
+
+    pages: tuple[torch.Tensor, torch.Tensor]  # (indptr [B + 1], indices): each row's listed pages
+    old_lens: torch.Tensor  # [B]: each row's listed tokens before the new one
+    slots: torch.Tensor  # [B]: the new token's flat pool slot
+    scratch: DecodeScratch
+    page_size: int
+    splits: int
 
 
 class AttentionBackend(Protocol):
@@ -58,6 +74,12 @@ class AttentionBackend(Protocol):
         for a q/k/v step that stores K/V itself in the same launch as its rope; None where the
         backend stores them. After `plan_decode_graph` these sit at fixed addresses, with padding
         rows at the dummy page, so a decode graph may capture them."""
+        ...
+
+    def fused_decode(self, group_id: int) -> FusedDecode | None:
+        """Where the planned batch is a decode graph small enough for the one-launch decode and this KV
+        group's layers have no window or soft-cap: its buffers, and the layer runs its rope, K/V store
+        and attention in that launch instead of `forward`. None otherwise."""
         ...
 
     def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import flashinfer
 import torch
 
-from tandem.engine.attention.base import LayerSpec
+from tandem.engine.attention.base import FusedDecode, LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
@@ -89,6 +89,7 @@ class FlashInferBackend:
         prefill_backend: str = "fa2",
         decode_backend: str = "fa2",
         decode_tensor_cores: bool = True,
+        fused_decode_max_bs: int = 0,
         **_options: Any,
     ) -> None:
         self.groups = groups
@@ -120,6 +121,11 @@ class FlashInferBackend:
         self._graph: dict[int, _GraphBuffers] = {}
         self._active: dict[int, Any] = {}
         self._append: dict[int, _Append] = {}
+        # Decode graphs of up to this many rows run the one-launch decode (triton_decode.py) in the KV
+        # groups it serves; `_fused` holds the planned batch's buffers per such group, or None.
+        self.fused_decode_max_bs = fused_decode_max_bs
+        self._fused_scratch: dict[int, Any] = {}
+        self._fused: dict[int, FusedDecode | None] = {}
         self._planned = torch.cuda.Event()
         self._has_planned = False
 
@@ -157,6 +163,7 @@ class FlashInferBackend:
                 self._plan_prefill(wrapper, gid, qo_indptr, pinned, dev[3])
             self._active[gid] = wrapper
             self._append[gid] = _Append(dev[4], dev[5], dev[3], dev[0], dev[1], paging.out_cache_loc)
+            self._fused[gid] = None
         self._record_plan()
 
     def _send(self, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -241,6 +248,37 @@ class FlashInferBackend:
                 coords=torch.zeros(2, max_bs, dtype=torch.int32, device=self.device),
                 wrappers=wrappers,
             )
+        self._init_fused_decode(batch_sizes)
+
+    def _init_fused_decode(self, batch_sizes: list[int]) -> None:
+        """Scratch for the one-launch decode in each KV group it serves: full attention, no soft-cap, a
+        power-of-two head_dim, at graph sizes up to `fused_decode_max_bs`."""
+        sizes = [bs for bs in batch_sizes if bs <= self.fused_decode_max_bs]
+        served = {
+            gid: k
+            for gid, k in self.kernels.items()
+            if k.window_left == -1 and k.softcap == 0.0 and k.head_dim & (k.head_dim - 1) == 0
+        }
+        if not sizes or not served:
+            return
+        try:
+            from tandem.engine.attention.triton_decode import DecodeScratch, decode_splits
+        except ImportError:  # no Triton: flashinfer's decode throughout
+            return
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        for gid, k in served.items():
+            splits = {bs: decode_splits(bs, k.num_kv_heads, sms) for bs in sizes}
+            self._fused_scratch[gid] = (
+                DecodeScratch.allocate(
+                    max_bs=max(sizes),
+                    max_row_splits=max(bs * n for bs, n in splits.items()),
+                    num_heads=k.num_heads,
+                    num_kv_heads=k.num_kv_heads,
+                    head_dim=k.head_dim,
+                    device=self.device,
+                ),
+                splits,
+            )
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
         self._wait_previous_plan()
@@ -275,7 +313,24 @@ class FlashInferBackend:
                 bufs.last_page_len[:graph_bs],
                 bufs.coords[1, :graph_bs],
             )
+            self._fused[gid] = self._fused_plan(gid, bufs, graph_bs)
         self._record_plan()
+
+    def _fused_plan(self, gid: int, bufs: _GraphBuffers, graph_bs: int) -> FusedDecode | None:
+        scratch = self._fused_scratch.get(gid)
+        if scratch is None or graph_bs not in scratch[1]:
+            return None
+        return FusedDecode(
+            pages=(bufs.indptr[: graph_bs + 1], bufs.indices),
+            old_lens=bufs.coords[0, :graph_bs],  # the new token's index in its row's listed KV
+            slots=bufs.coords[1, :graph_bs],
+            scratch=scratch[0],
+            page_size=self.page_size,
+            splits=scratch[1][graph_bs],
+        )
+
+    def fused_decode(self, group_id: int) -> FusedDecode | None:
+        return self._fused.get(group_id)
 
     def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
         return self._append[group_id].slots

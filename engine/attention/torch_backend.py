@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.base import LayerSpec
+from tandem.engine.attention.base import FusedDecode, LayerSpec
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 
@@ -108,6 +108,9 @@ class TorchAttentionBackend:
 
     def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
         return None  # the reference stores K/V itself, with index_put
+
+    def fused_decode(self, group_id: int) -> FusedDecode | None:
+        return None  # no decode graphs here, so no one-launch decode
 
     def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
         raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")

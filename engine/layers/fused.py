@@ -26,6 +26,8 @@ from tandem.engine.sampler import RaceSample
 # qk_norm_rope.qk_norm_rope: (qkv, positions, q_weight, k_weight, table, *, num_heads, num_kv_heads, eps,
 # gemma) -> (q [T, H, D], k [T, Hkv, D]), both contiguous.
 QKNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# attention/triton_decode.decode_rope_attention: a small decode batch's qkv -> attention output [B, H * D].
+DecodeRopeAttention = Callable[..., torch.Tensor]
 
 
 class FusedKernels:
@@ -43,6 +45,8 @@ class FusedKernels:
         self.qk_norm_rope: QKNormRope | None = _triton_qk_norm_rope()
         # The sampler's race in one pass over the logits (sampling_race.py); None where Triton is missing.
         self.race_sample: RaceSample | None = _triton_race_sample()
+        # Small decode graphs: norms, rope, K/V store, attention and merge in one launch; None without Triton.
+        self.decode_rope_attention: DecodeRopeAttention | None = _triton_decode_rope_attention()
         self.max_positions = max_positions
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -115,6 +119,14 @@ def _triton_qk_norm_rope() -> QKNormRope | None:
     except ImportError:
         return None
     return qk_norm_rope
+
+
+def _triton_decode_rope_attention() -> DecodeRopeAttention | None:
+    try:
+        from tandem.engine.attention.triton_decode import decode_rope_attention
+    except ImportError:
+        return None
+    return decode_rope_attention
 
 
 def _triton_race_sample() -> RaceSample | None:

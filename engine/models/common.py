@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention.base import AttentionBackend, LayerSpec
+from tandem.engine.attention.base import AttentionBackend, FusedDecode, LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.distributed import TPGroup
 from tandem.engine.kv_pool import KVPool
@@ -163,6 +163,42 @@ class Attention(nn.Module):
         slots = torch.full((1,), slot, dtype=torch.int64, device=k_cache.device)
         self._fused(merged, torch.zeros_like(slots), (k_cache, v_cache, slots))
 
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """From the layer's normed input to the attention output [T, H * D], before the o projection."""
+        group = ctx.pool.layer_group[self.spec.layer_id]
+        fused = ctx.attention.fused_decode(group) if self.fused_qk else None
+        if fused is not None:
+            return self._fused_decode(self.qkv_proj(x), positions, ctx, fused)
+        q, k, v = self.qkv(positions, x, ctx)
+        return ctx.attention.forward(self.spec, q, k, v, ctx.pool, stored=self.stores_kv(ctx))
+
+    def _fused_decode(
+        self, merged: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, fused: FusedDecode
+    ) -> torch.Tensor:
+        """A small decode graph's one launch: norms, rope, K/V store, attention and merge."""
+        assert self.kernels is not None and self.kernels.decode_rope_attention is not None
+        assert self.rotary.table is not None
+        s, q_norm, k_norm, layer = self.spec, self.q_norm, self.k_norm, self.spec.layer_id
+        return self.kernels.decode_rope_attention(
+            merged,
+            positions,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            self.rotary.table,
+            (ctx.pool.k[layer], ctx.pool.v[layer]),
+            fused.pages,
+            fused.old_lens,
+            fused.slots,
+            fused.scratch,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            eps=0.0 if q_norm is None else q_norm.eps,
+            gemma=q_norm is not None and q_norm.gemma,
+            scale=s.scale,
+            page_size=fused.page_size,
+            splits=fused.splits,
+        )
+
     def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
         """Everything before the attention kernel: projection, per-head norms and rope; with `ctx`,
         also the K/V store where `stores_kv(ctx)` (k then comes back as the layer's K cache)."""
@@ -255,50 +291,41 @@ class DecoderBody(nn.Module):
     def layer(self, i: int) -> DecoderLayer:
         return cast(DecoderLayer, self.layers[i])
 
-    # The pieces between attention calls. The eager forward chains them with attention in between;
-    # the piecewise CUDA graphs capture each piece per token bucket and run attention eagerly, so
-    # both paths share these modules and only attention metadata stays outside every graph.
-    # `ctx`, where given, lets the q/k/v step store K/V itself (Attention.stores_kv); the piecewise
-    # graphs leave it out, since their captured pieces must not bake in one batch's slots.
-    def first_piece(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
-    ) -> Piece:
-        """Embedding, then layer 0 up to its attention: (residual, q, k, v)."""
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        layer = self.layer(0)
-        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x), ctx))
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
 
-    def middle_piece(
-        self,
-        i: int,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        attn_out: torch.Tensor,
-        ctx: ForwardContext | None = None,
-    ) -> Piece:
+    # The pieces between attention calls, for the piecewise CUDA graphs: each piece is captured per
+    # token bucket and attention runs eagerly between them. They run the same modules in the same order
+    # as `forward`, so only attention metadata stays outside every graph. They take no ForwardContext:
+    # a captured piece must not bake in one batch's K/V slots, so attention stores K/V there.
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Piece:
+        """Embedding, then layer 0 up to its attention: (residual, q, k, v)."""
+        x = self.embed(input_ids)
+        layer = self.layer(0)
+        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x)))
+
+    def middle_piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor) -> Piece:
         """Finish layer i - 1 from its attention output, then run layer i up to its attention."""
         layer = self.layer(i)
         x, h = self.layer(i - 1).finish(x, attn_out, layer.input_layernorm)
-        return (x, *layer.self_attn.qkv(positions, h, ctx))
+        return (x, *layer.self_attn.qkv(positions, h))
 
     def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Finish the last layer, then the final norm."""
         return self.layer(len(self.layers) - 1).finish(x, attn_out, self.norm)[1]
 
-    def attend(
-        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        attn = self.layer(i).self_attn
-        return ctx.attention.forward(attn.spec, q, k, v, ctx.pool, stored=attn.stores_kv(ctx))
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, q, k, v = self.first_piece(input_ids, positions, ctx)
+        """Eager batches and decode graphs: attention in line (Attention.forward), where the q/k/v step
+        may store K/V itself and a small decode graph runs rope, store and attention as one launch."""
+        x = self.embed(input_ids)
+        h: torch.Tensor = self.layer(0).input_layernorm(x)
         last = len(self.layers) - 1
-        for i in range(last):
-            x, q, k, v = self.middle_piece(i + 1, positions, x, self.attend(i, q, k, v, ctx), ctx)
-        return self.last_piece(x, self.attend(last, q, k, v, ctx))
+        for i in range(last + 1):
+            layer = self.layer(i)
+            next_norm = self.norm if i == last else self.layer(i + 1).input_layernorm
+            x, h = layer.finish(x, layer.self_attn(positions, h, ctx), next_norm)
+        return h
 
 
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

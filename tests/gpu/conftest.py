@@ -48,7 +48,15 @@ GEMMA2_SHAPE: dict[str, Any] = {  # attention soft-capping, alternating window/g
     "query_pre_attn_scalar": 128,
     "sliding_window": 32,
 }
-SHAPES = {"qwen3": QWEN3_SHAPE, "gemma3": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE}
+LLAMA_SHAPE: dict[str, Any] = {  # Llama-3.1-8B's head layout (GQA 4, no q/k norms), two layers
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+SHAPES = {"qwen3": QWEN3_SHAPE, "gemma3": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE, "llama": LLAMA_SHAPE}
 NEAR_TIE = 0.15  # nats
 
 

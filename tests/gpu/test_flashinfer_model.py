@@ -38,7 +38,9 @@ STEPS: list[list[tuple[int, int]]] = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3", pytest.param("gemma2", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module", params=["qwen3", "gemma3", "llama", pytest.param("gemma2", marks=pytest.mark.slow)]
+)
 def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]) -> dict[str, Engine]:
     model_dir = gpu_model_dir(request.param)
 
@@ -53,12 +55,22 @@ def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
         "float32": build(attention_backend="torch", dtype="float32", **off),
         "torch": build(attention_backend="torch", **off),
         "flashinfer": build(attention_backend="flashinfer", **off),
+        # Decode graphs of up to 8 rows run the one-launch decode (the default) in full-attention layers...
         "graphs": build(
             attention_backend="flashinfer",
             cuda_graph=True,
             piecewise_cuda_graph=True,
             cuda_graph_max_bs=8,
             piecewise_max_tokens=256,
+            fused_decode_max_bs=8,
+        ),
+        # ...and flashinfer's decode here.
+        "graphs-flashinfer-decode": build(
+            attention_backend="flashinfer",
+            cuda_graph=True,
+            piecewise_cuda_graph=False,
+            cuda_graph_max_bs=8,
+            fused_decode_max_bs=0,
         ),
     }
 
@@ -100,7 +112,13 @@ def test_logits_agree_across_backends_and_graphs(
     for name in ("flashinfer", "graphs"):
         fused_qk = {layer.self_attn.fused_qk for layer in engines[name].model.model.layers}
         assert fused_qk == {True}, name
-    used = {"decode graph": 0, "piecewise": 0}
+    used = {"decode graph": 0, "piecewise": 0, "one-launch decode": 0}
+    unfused = engines["graphs-flashinfer-decode"]
+    # The one-launch decode serves the KV groups without a window or soft-cap: Gemma 3's global layers,
+    # every layer of Qwen3 and Llama, none of Gemma 2's (soft-capped).
+    served = [
+        g.group_id for g in graphs.groups if g.window is None and graphs.model_config.attn_softcap is None
+    ]
     for i, spans in enumerate(STEPS):
         n = len(spans)
         batch = make_batch(ids[:n], spans, tables[:n], windows, PAGE, DEVICE)
@@ -109,6 +127,13 @@ def test_logits_agree_across_backends_and_graphs(
         truth, expected = engines["float32"].logits(batch), ref.logits(batch)
         close(engines["flashinfer"].logits(batch), truth, expected, f"step {i}, flashinfer eager")
         close(graphs.logits(batch), truth, expected, f"step {i}, flashinfer with graphs")
+        fused = [graphs.attention.fused_decode(gid) is not None for gid in served]
+        if graphs.decode_graphs.padded_size(batch) is not None:
+            assert all(fused), f"step {i}: a decode graph of {batch.batch_size} rows took flashinfer's decode"
+            used["one-launch decode"] += bool(served)
+        else:
+            assert not any(fused), f"step {i}: the one-launch decode outside a decode graph"
+        close(unfused.logits(batch), truth, expected, f"step {i}, flashinfer decode in graphs")
         # The last plan was the graph engine's: a decode graph's fixed slots, else the batch's own.
         slots = graphs.attention.new_kv_slots(0)
         assert slots is not None and slots.shape[0] >= batch.num_tokens
@@ -116,4 +141,4 @@ def test_logits_agree_across_backends_and_graphs(
             assert torch.equal(slots.long(), batch.groups[0].out_cache_loc.long())
         else:
             assert torch.equal(slots[: batch.batch_size].long(), batch.groups[0].out_cache_loc.long())
-    assert used == {"decode graph": 3, "piecewise": 3}
+    assert used == {"decode graph": 3, "piecewise": 3, "one-launch decode": 3 if served else 0}

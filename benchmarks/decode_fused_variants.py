@@ -1,0 +1,150 @@
+"""kernel_choices.py's `decode_fused` part: a decode layer's step from the q/k/v projection's output to the
+attention output, as the engine ran it before small-batch decode got its one launch (the rope with the K/V
+store, then flashinfer's tensor-core decode with its merge) against engine/attention/triton_decode.py at
+several split counts, block sizes and warp counts. Each is timed in a CUDA graph over one K/V cache per
+layer, so L2 serves none of the KV; each fused variant records its largest difference from the chain's
+output and whether it stored the same K/V."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from tandem.benchmarks.common import graph_us
+from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
+
+# (splits or 0 for the engine's own pick, block_n, num_warps)
+VARIANTS = [(0, 32, 4), (0, 16, 4), (0, 64, 4), (0, 32, 2), (0, 32, 8), (4, 32, 4), (8, 32, 4), (32, 32, 4)]
+
+
+def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> list[dict[str, Any]]:
+    import flashinfer
+
+    from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, decode_splits
+    from tandem.engine.layers.qk_norm_rope import qk_norm_rope
+
+    heads, kvh = shape["heads"], shape["kv_heads"]
+    case = PagedCase(kvh, bs, ctx, layers)
+    qkv = torch.randn(bs, (heads + 2 * kvh) * HEAD_DIM, dtype=BF16, device="cuda")
+    positions = torch.full((bs,), ctx - 1, dtype=torch.int64, device="cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
+    freqs = torch.arange(ctx, device="cuda").float()[:, None] * inv[None, :]
+    table = torch.cat((freqs.cos(), freqs.sin()), -1).contiguous()
+    per_row = -(-ctx // PAGE)
+    last_page = case.indices[case.indptr[:-1].long() + per_row - 1].long()
+    slots = (last_page * PAGE + (ctx - 1) % PAGE).to(torch.int32)
+    old = torch.full((bs,), ctx - 1, dtype=torch.int32, device="cuda")
+    flat = [(k.view(-1, kvh, HEAD_DIM), v.view(-1, kvh, HEAD_DIM)) for k, v in case.caches]
+    scale = HEAD_DIM**-0.5
+    row: dict[str, Any] = {"part": "decode_fused", "model": shape["name"], "bs": bs, "ctx": ctx}
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=case.indptr.clone(),
+        paged_kv_indices_buffer=case.indices.clone(),
+        paged_kv_last_page_len_buffer=case.last.clone(),
+    )
+    wrapper.plan(case.indptr_cpu, case.indices, case.last_cpu, heads, kvh, HEAD_DIM, PAGE, q_data_type=BF16)
+    out = torch.empty(bs, heads, HEAD_DIM, dtype=BF16, device="cuda")
+
+    def chain(i: int) -> None:
+        k_cache, v_cache = flat[i]
+        q, _ = qk_norm_rope(
+            qkv,
+            positions,
+            None,
+            None,
+            table,
+            num_heads=heads,
+            num_kv_heads=kvh,
+            eps=0.0,
+            gemma=False,
+            kv_cache=(k_cache, v_cache, slots.long()),
+        )
+        wrapper.run(q, case.caches[i], out=out)
+
+    chain(0)
+    reference = out.view(bs, -1).clone()
+    stored = (flat[0][0][slots.long()].clone(), flat[0][1][slots.long()].clone())
+    row["chain"] = round(graph_us(chain, layers), 2)
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row["auto_splits"] = decode_splits(bs, kvh, sms)
+    scratch = DecodeScratch.allocate(
+        max_bs=bs, max_row_splits=bs * 32, num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, device="cuda"
+    )
+    fused_out = torch.empty(bs, heads * HEAD_DIM, dtype=BF16, device="cuda")
+    for splits, block_n, warps in VARIANTS:
+        n = splits or row["auto_splits"]
+        name = f"fused-s{n}-b{block_n}-w{warps}"
+        if name in row:
+            continue
+        run = functools.partial(
+            decode_rope_attention,
+            qkv,
+            positions,
+            None,
+            None,
+            table,
+            pages=(case.indptr, case.indices),
+            old_lens=old,
+            slots=slots,
+            scratch=scratch,
+            num_heads=heads,
+            num_kv_heads=kvh,
+            eps=0.0,
+            gemma=False,
+            scale=scale,
+            page_size=PAGE,
+            splits=n,
+            block_n=block_n,
+            num_warps=warps,
+            out=fused_out,
+        )
+        try:
+            for c in flat[0]:
+                c[slots.long()] = 0  # the fused launch must store the new K/V itself
+            run(caches=flat[0])
+            row[f"{name}_err"] = round(float((fused_out.float() - reference.float()).abs().max()), 4)
+            row[f"{name}_stores"] = bool(
+                torch.equal(flat[0][0][slots.long()], stored[0])
+                and torch.equal(flat[0][1][slots.long()], stored[1])
+            )
+            row[name] = round(graph_us(lambda i, run=run: run(caches=flat[i]), layers), 2)
+            row[f"{name}_err_replays"] = _replayed_error(
+                functools.partial(run, caches=flat[0]), fused_out, reference
+            )
+        except Exception as exc:  # one variant's failure must not hide the others
+            row[name] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+    timed = {n: v for n, v in row.items() if n.startswith("fused-") and isinstance(v, float) and "_" not in n}
+    if timed:
+        row["best"] = min(timed, key=timed.__getitem__)
+        row["saved_us"] = round(row["chain"] - timed[row["best"]], 2)
+    return [row]
+
+
+def _replayed_error(
+    run: Any, out: torch.Tensor, reference: torch.Tensor, calls: int = 8, replays: int = 20
+) -> float:
+    """The largest difference from `reference` over graph replays of `calls` back-to-back launches on one
+    cache: real concurrency for the tickets, which the interpreter's tests cannot give."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    worst = 0.0
+    for _ in range(replays):
+        graph.replay()
+        worst = max(worst, float((out.float() - reference.float()).abs().max()))
+    return round(worst, 4)

@@ -1,0 +1,303 @@
+"""Small-batch decode in one Triton launch: the q/k norms (where the model has them) and rope of the new
+token, its K/V store, paged attention split over the KV, and the merge of the splits.
+
+Why: at batch 1 on an H200 (Llama-3.1-8B shape, 512 tokens of context), the step from the q/k/v
+projection to the o projection was three kernels a layer: the rope with the K/V store (2.5 µs), flashinfer's
+decode (9.6 µs) and its split-KV merge (2.4 µs), for 2 MB of KV that takes 0.5 µs to read
+(decode-profile-llama-3.1-8b-32l.json). Each kernel is mostly launch and ramp. Here program (row, KV head,
+split) does all of it:
+- it rotates its query heads and the new key in registers; split 0 also writes the new K/V to the pool;
+- it attends over its share of the row's earlier tokens with an online softmax (scores and the P·V product
+  on tensor cores, the query group padded to 16 rows). Split 0 adds the new token from registers, so no
+  program reads a slot this launch writes;
+- it writes its partial output and log-sum-exp, then takes a ticket. The program that takes the last ticket
+  of its (row, KV head) merges the splits and sets the ticket back to zero, ready for the next launch or
+  CUDA-graph replay.
+
+Rows are flashinfer's CSR page lists (the decode graphs' own buffers), plus per row the number of earlier
+tokens and the new token's slot (`FlashInferBackend`'s plan coordinates). No sliding window and no
+soft-cap: those layers keep flashinfer. Numerics follow the unfused chain: each norm rounds once to bf16,
+the rope rotates in float32 and rounds q and k to bf16, and attention accumulates in float32.
+
+Triton ships with CUDA builds of torch; this module is imported only on CUDA, never on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+MIN_GROUP_ROWS = 16  # tl.dot's smallest M: query groups are padded to it
+
+
+@triton.jit
+def _norm_rope(  # type: ignore[no-untyped-def]  # tensors and constexprs
+    x1, x2, w_ptr, cos, sin, eps, DT: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr
+):
+    """Heads' two halves (float32, [heads, D / 2]) -> rotated halves, rounded to DT (the cache's dtype)."""
+    half = tl.arange(0, D // 2)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=-1) + tl.sum(x2 * x2, axis=-1)) / D + eps)
+        w1 = tl.load(w_ptr + half).to(tl.float32)
+        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
+        if GEMMA:
+            w1 = w1 + 1.0
+            w2 = w2 + 1.0
+        x1 = (x1 * tl.expand_dims(rstd, -1) * w1).to(DT).to(tl.float32)  # the norm's rounding
+        x2 = (x2 * tl.expand_dims(rstd, -1) * w2).to(DT).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
+
+
+@triton.jit
+def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    qkv_ptr,
+    pos_ptr,
+    qw_ptr,
+    kw_ptr,
+    table_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    indptr_ptr,
+    indices_ptr,
+    old_ptr,
+    slot_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    tickets_ptr,
+    out_ptr,
+    stride_qkv,
+    stride_table,
+    eps,
+    qk_scale,  # the softmax scale times log2(e): scores go through exp2
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two: the partials' rows
+    GROUP_PAD: tl.constexpr,  # GROUP_P2, at least 16: the tensor-core tiles' rows
+    SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NORM: tl.constexpr,
+    GEMMA: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    half = tl.arange(0, D // 2)
+    d = tl.arange(0, D)
+    in_group = g < GROUP
+    row = qkv_ptr + b * stride_qkv
+    pos = tl.load(pos_ptr + b)
+    cos = tl.load(table_ptr + pos * stride_table + half)
+    sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)
+    heads = (h * GROUP + g)[:, None] * D
+    qx1 = tl.load(row + heads + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
+    qx2 = tl.load(row + heads + D // 2 + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
+    q1, q2 = _norm_rope(
+        qx1, qx2, qw_ptr, cos[None, :], sin[None, :], eps, k_cache_ptr.dtype.element_ty, D, NORM, GEMMA
+    )
+    k_row = row + (HQ + h) * D
+    kx1 = tl.load(k_row + half[None, :]).to(tl.float32)  # [1, D / 2]: one head, as the q block's rows
+    kx2 = tl.load(k_row + D // 2 + half[None, :]).to(tl.float32)
+    k1, k2 = _norm_rope(
+        kx1, kx2, kw_ptr, cos[None, :], sin[None, :], eps, k_cache_ptr.dtype.element_ty, D, NORM, GEMMA
+    )
+    v_new = tl.load(row + (HQ + HKV + h) * D + d[None, :])  # [1, D]
+
+    # Split 0 owns the new token: it stores its K/V and starts its softmax from it.
+    first = s == 0
+    slot = tl.load(slot_ptr + b).to(tl.int64) * HKV + h
+    tl.store(k_cache_ptr + slot * D + half[None, :], k1, mask=first & (half < D // 2)[None, :])
+    tl.store(k_cache_ptr + slot * D + D // 2 + half[None, :], k2, mask=first & (half < D // 2)[None, :])
+    tl.store(v_cache_ptr + slot * D + d[None, :], v_new, mask=first & (d < D)[None, :])
+    new_score = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), 1) + tl.sum(
+        q2.to(tl.float32) * k2.to(tl.float32), 1
+    )
+    m = tl.where(first, new_score * qk_scale, float("-inf"))
+    total = tl.where(first, 1.0, 0.0) + tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32) + tl.where(first, v_new.to(tl.float32), 0.0)
+
+    # This split's block-aligned share of the earlier tokens.
+    start_page = tl.load(indptr_ptr + b)
+    old = tl.load(old_ptr + b)
+    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * share
+    hi = tl.minimum(lo + share, old)
+    t = tl.arange(0, BLOCK_N)
+    for begin in range(lo, hi, BLOCK_N):
+        tok = begin + t
+        valid = tok < hi
+        page = tl.load(indices_ptr + start_page + tok // PAGE, mask=valid, other=0).to(tl.int64)
+        rows = ((page * PAGE + tok % PAGE) * HKV + h)[:, None] * D
+        kb1 = tl.load(k_cache_ptr + rows + half[None, :], mask=valid[:, None], other=0.0)
+        kb2 = tl.load(k_cache_ptr + rows + D // 2 + half[None, :], mask=valid[:, None], other=0.0)
+        vb = tl.load(v_cache_ptr + rows + d[None, :], mask=valid[:, None], other=0.0)
+        scores = (tl.dot(q1, tl.trans(kb1)) + tl.dot(q2, tl.trans(kb2))) * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        total = total * alpha + tl.sum(p, 1)
+        m = m_new
+
+    gp = tl.arange(0, GROUP_P2)
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        dst = out_ptr + (b * HQ + h * GROUP + g)[:, None] * D + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    else:
+        # An empty split (a short row) weighs nothing in the merge.
+        seen = total > 0
+        lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
+        o = acc / tl.where(seen, total, 1.0)[:, None]
+        base = (b * HKV + h) * SPLITS
+        keep = g < GROUP_P2
+        tl.store(part_o_ptr + ((base + s) * GROUP_P2 + g)[:, None] * D + d[None, :], o, mask=keep[:, None])
+        tl.store(part_lse_ptr + (base + s) * GROUP_P2 + g, lse, mask=keep)
+        # Every thread's partial stores come before the ticket (the barrier), the ticket releases them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + b * HKV + h, 1, sem="acq_rel")
+        if ticket == SPLITS - 1:
+            splits = tl.arange(0, SPLITS)
+            lses = tl.load(
+                part_lse_ptr + (base + splits)[:, None] * GROUP_P2 + gp[None, :], cache_modifier=".cg"
+            )
+            top = tl.max(lses, axis=0)  # split 0 always saw the new token
+            weights = tl.exp2(lses - top[None, :])  # [SPLITS, GROUP_P2]
+            parts = tl.load(
+                part_o_ptr
+                + ((base + splits)[:, None, None] * GROUP_P2 + gp[None, :, None]) * D
+                + d[None, None, :],
+                cache_modifier=".cg",
+            )
+            merged = tl.sum(weights[:, :, None] * parts, axis=0) / tl.sum(weights, axis=0)[:, None]
+            dst = out_ptr + (b * HQ + h * GROUP + gp)[:, None] * D + d[None, :]
+            tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=(gp < GROUP)[:, None])
+            tl.atomic_xchg(tickets_ptr + b * HKV + h, 0)
+
+
+@dataclass(frozen=True)
+class DecodeScratch:
+    """Fixed-address scratch for the (row, KV head, split) partials of up to `max_bs` rows and
+    `max_row_splits` rows x splits, so graphs can capture it."""
+
+    part_o: torch.Tensor  # float32 [rows * group_p2, head_dim]
+    part_lse: torch.Tensor  # float32 [rows * group_p2]
+    tickets: torch.Tensor  # int32 [max_bs * num_kv_heads], zero between launches
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        max_bs: int,
+        max_row_splits: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: Any,
+    ) -> DecodeScratch:
+        rows = max_row_splits * num_kv_heads * triton.next_power_of_2(num_heads // num_kv_heads)
+        return cls(
+            torch.empty(rows, head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
+            torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits per (row, KV head): a power of two that fills about one wave of the GPU's SMs."""
+    splits = 1
+    while splits * 2 <= max_splits and batch * num_kv_heads * splits * 2 <= num_sms:
+        splits *= 2
+    return splits
+
+
+def decode_rope_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    table: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    pages: tuple[torch.Tensor, torch.Tensor],
+    old_lens: torch.Tensor,
+    slots: torch.Tensor,
+    scratch: DecodeScratch,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    gemma: bool,
+    scale: float,
+    page_size: int,
+    splits: int,
+    block_n: int = 32,
+    num_warps: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode token per row: qkv [B, (H + 2 Hkv) * D] (the merged projection, before norms and rope)
+    -> attention output [B, H * D].
+
+    `caches` (k, v) are [num_slots, Hkv, D] views of the paged pool; `pages` (indptr [B + 1], indices) list
+    each row's pages; `old_lens` [B] counts each row's tokens before the new one; `slots` [B] is the new
+    token's flat slot. Without `q_weight` and `k_weight` there are no norms."""
+    d = table.shape[1]
+    batch = qkv.shape[0]
+    group = num_heads // num_kv_heads
+    if qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or d & (d - 1):
+        raise ValueError("qkv needs a contiguous last dim of (H + 2 Hkv) x a power-of-two head_dim")
+    if num_heads % num_kv_heads or splits & (splits - 1):
+        raise ValueError("needs whole query groups and a power-of-two split count")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("give both q/k norm weights or neither")
+    k_cache, v_cache = caches
+    indptr, indices = pages
+    group_p2 = triton.next_power_of_2(group)
+    if batch * num_kv_heads * splits * group_p2 > scratch.part_lse.shape[0]:
+        raise ValueError(f"the scratch holds fewer partials than {batch} rows x {splits} splits need")
+    if out is None:
+        out = torch.empty(batch, num_heads * d, dtype=qkv.dtype, device=qkv.device)
+    norm = q_weight is not None
+    launch: Any = decode_rope_attention_kernel[(batch, num_kv_heads, splits)]
+    launch(
+        qkv,
+        positions,
+        q_weight if norm else qkv,  # placeholders without norms: never read
+        k_weight if norm else qkv,
+        table,
+        k_cache,
+        v_cache,
+        indptr,
+        indices,
+        old_lens,
+        slots,
+        scratch.part_o,
+        scratch.part_lse,
+        scratch.tickets,
+        out,
+        qkv.stride(0),
+        table.stride(0),
+        eps,
+        scale * _LOG2E,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
+        PAGE=page_size,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        GROUP_PAD=max(MIN_GROUP_ROWS, group_p2),
+        SPLITS=splits,
+        BLOCK_N=block_n,
+        NORM=norm,
+        GEMMA=gemma,
+        num_warps=num_warps,
+    )
+    return out
