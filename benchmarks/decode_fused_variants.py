@@ -15,14 +15,14 @@ import torch
 from tandem.benchmarks.common import graph_us
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 
-# (splits or 0 for the engine's own pick, block_n, num_warps)
-VARIANTS = [(0, 32, 4), (0, 16, 4), (0, 64, 4), (0, 32, 2), (0, 32, 8), (4, 32, 4), (8, 32, 4), (32, 32, 4)]
+# (splits, block_n, num_warps); 0: the engine's own pick (launch_config)
+VARIANTS = [(0, 0, 4), (0, 32, 4), (0, 64, 4), (1, 64, 4), (2, 64, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4)]
 
 
 def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> list[dict[str, Any]]:
     import flashinfer
 
-    from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, decode_splits
+    from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, launch_config
     from tandem.engine.layers.qk_norm_rope import qk_norm_rope
 
     heads, kvh = shape["heads"], shape["kv_heads"]
@@ -75,13 +75,13 @@ def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> 
     row["chain"] = round(graph_us(chain, layers), 2)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    row["auto_splits"] = decode_splits(bs, kvh, sms)
+    row["auto_splits"], row["auto_block_n"] = launch_config(bs, kvh, sms)
     scratch = DecodeScratch.allocate(
         max_bs=bs, max_row_splits=bs * 32, num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, device="cuda"
     )
     fused_out = torch.empty(bs, heads * HEAD_DIM, dtype=BF16, device="cuda")
     for splits, block_n, warps in VARIANTS:
-        n = splits or row["auto_splits"]
+        n, block_n = splits or row["auto_splits"], block_n or row["auto_block_n"]
         name = f"fused-s{n}-b{block_n}-w{warps}"
         if name in row:
             continue

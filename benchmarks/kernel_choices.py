@@ -319,7 +319,8 @@ def main() -> None:
     only = set(args.attention_variants.split(",")) if args.attention_variants else None
     for shape, bs, ctx, layers in attention_cases:
         section("attention", attention_rows, shape, bs, ctx, layers, bandwidth, only)
-    fused_cases = [(LLAMA, b, 512) for b in (1, 2, 4, 8, 16, 32)] + [(LLAMA, 1, 4096), (QWEN, 8, 1024)]
+    fused_cases = [(LLAMA, b, 512) for b in (1, 2, 4, 8, 16, 32, 64)] + [(LLAMA, 1, 4096)]
+    fused_cases += [(QWEN, b, 1024) for b in (8, 32, 64)]
     for shape, bs, ctx in fused_cases[::3] if args.quick else fused_cases:
         section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:

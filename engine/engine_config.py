@@ -16,7 +16,7 @@ _BACKENDS = ("auto", "torch", "flashinfer")
 # The head sizes flashinfer's kernels are built and tested for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 # Decode graphs of up to this many rows take the one-launch decode by default (see EngineConfig).
-FUSED_DECODE_MAX_BS = 8
+FUSED_DECODE_MAX_BS = 32
 
 
 @dataclass(frozen=True)

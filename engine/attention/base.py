@@ -43,6 +43,7 @@ class FusedDecode:
     scratch: DecodeScratch
     page_size: int
     splits: int
+    block_n: int  # tokens per block of a program's walk over its share of the KV
 
 
 class AttentionBackend(Protocol):

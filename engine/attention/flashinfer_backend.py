@@ -262,22 +262,22 @@ class FlashInferBackend:
         if not sizes or not served:
             return
         try:
-            from tandem.engine.attention.triton_decode import DecodeScratch, decode_splits
+            from tandem.engine.attention.triton_decode import DecodeScratch, launch_config
         except ImportError:  # no Triton: flashinfer's decode throughout
             return
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         for gid, k in served.items():
-            splits = {bs: decode_splits(bs, k.num_kv_heads, sms) for bs in sizes}
+            configs = {bs: launch_config(bs, k.num_kv_heads, sms) for bs in sizes}
             self._fused_scratch[gid] = (
                 DecodeScratch.allocate(
                     max_bs=max(sizes),
-                    max_row_splits=max(bs * n for bs, n in splits.items()),
+                    max_row_splits=max(bs * n for bs, (n, _) in configs.items()),
                     num_heads=k.num_heads,
                     num_kv_heads=k.num_kv_heads,
                     head_dim=k.head_dim,
                     device=self.device,
                 ),
-                splits,
+                configs,
             )
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
@@ -326,7 +326,8 @@ class FlashInferBackend:
             slots=bufs.coords[1, :graph_bs],
             scratch=scratch[0],
             page_size=self.page_size,
-            splits=scratch[1][graph_bs],
+            splits=scratch[1][graph_bs][0],
+            block_n=scratch[1][graph_bs][1],
         )
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:

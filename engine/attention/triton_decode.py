@@ -212,12 +212,22 @@ class DecodeScratch:
         )
 
 
-def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """Splits per (row, KV head): a power of two that fills about one wave of the GPU's SMs."""
-    splits = 1
-    while splits * 2 <= max_splits and batch * num_kv_heads * splits * 2 <= num_sms:
-        splits *= 2
-    return splits
+def launch_config(batch: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
+    """(splits per (row, KV head), tokens per block) for a decode graph of `batch` rows, measured on an H200
+    (kernel-choices-decode-fused.json, Llama-3.1-8B heads at 512 tokens of context). Up to about a quarter
+    of the SMs' worth of (row, head) pairs, one wave of programs (128 at batch 1 to 4 with 8 KV heads) beat
+    more splits; up to one SM's worth, four waves beat one (batch 8 and 16), so that no program walks a
+    long row alone; beyond, one split per pair. Blocks of 64 tokens beat 32 except where the splits leave
+    each program about 32 tokens (batch 1)."""
+    pairs = batch * num_kv_heads
+    if pairs > num_sms:
+        splits = 1
+    else:
+        programs = num_sms if 4 * pairs <= num_sms else 4 * num_sms
+        splits = 1
+        while splits * 2 <= 16 and pairs * splits * 2 <= programs:
+            splits *= 2
+    return splits, 32 if splits >= 16 else 64
 
 
 def decode_rope_attention(

@@ -197,6 +197,7 @@ class Attention(nn.Module):
             scale=s.scale,
             page_size=fused.page_size,
             splits=fused.splits,
+            block_n=fused.block_n,
         )
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:

@@ -27,7 +27,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("heads", "kv_heads", "norm"), [(32, 8, False), (16, 8, True)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_matches_float32_and_survives_graph_replays(heads: int, kv_heads: int, norm: bool, rows: int) -> None:
-    from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, decode_splits
+    from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, launch_config
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     old = [700, 0, 33, 511, 16, 1, 250, 95][:rows]
@@ -47,20 +47,21 @@ def test_matches_float32_and_survives_graph_replays(heads: int, kv_heads: int, n
     if norm:
         qw = torch.rand(D, device="cuda", generator=g).to(torch.bfloat16) + 0.5
         kw = torch.rand(D, device="cuda", generator=g).to(torch.bfloat16) + 0.5
-    splits = decode_splits(rows, kv_heads, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits, block_n = launch_config(rows, kv_heads, torch.cuda.get_device_properties(0).multi_processor_count)
     scratch = DecodeScratch.allocate(
         max_bs=rows, max_row_splits=rows * splits, num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
         device="cuda",
     )  # fmt: skip
     before_k, before_v = k_cache.float(), v_cache.float()
     out = torch.empty(rows, heads * D, device="cuda", dtype=torch.bfloat16)
+    old_lens = torch.tensor(old, device="cuda", dtype=torch.int32)
 
     def launch() -> None:
         decode_rope_attention(
             qkv, positions, qw, kw, table, (k_cache, v_cache), (indptr, indices),
-            torch.tensor(old, device="cuda", dtype=torch.int32), slots, scratch,
+            old_lens, slots, scratch,
             num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, gemma=False, scale=D**-0.5,
-            page_size=PAGE, splits=splits, out=out,
+            page_size=PAGE, splits=splits, block_n=block_n, out=out,
         )  # fmt: skip
 
     launch()
