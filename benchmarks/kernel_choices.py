@@ -6,6 +6,7 @@ Qwen3-0.6B offline at batch up to 256):
 
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
   kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
+- norm (norm_variants.py): flashinfer's fused add + RMS norm against a Triton kernel of one program a row;
 - decode_fused (decode_fused_variants.py): the rope with the K/V store then flashinfer's decode, against
   the one-launch small-batch decode (engine/attention/triton_decode.py) at several splits and block sizes;
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
@@ -44,6 +45,7 @@ from tandem.benchmarks.common import (
 from tandem.benchmarks.decode_fused_variants import decode_fused_rows
 from tandem.benchmarks.engine_steps import sampling
 from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
+from tandem.benchmarks.norm_variants import norm_rows
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 from tandem.benchmarks.qk_norm_rope_variants import qk_norm_rope_rows
 from tandem.engine.sampler import Sampler, race_keys
@@ -273,7 +275,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--parts", default="attention,decode_fused,kv_store,gemm,pdl,sampling,qk_norm_rope")
+    parser.add_argument(
+        "--parts", default="attention,decode_fused,norm,kv_store,gemm,pdl,sampling,qk_norm_rope"
+    )
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
     parser.add_argument(
@@ -323,6 +327,8 @@ def main() -> None:
     fused_cases += [(QWEN, b, 1024) for b in (8, 32, 64)]
     for shape, bs, ctx in fused_cases[::3] if args.quick else fused_cases:
         section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
+    section("norm", norm_rows, LLAMA["name"], LLAMA["hidden"], [1, 8, 32, 64, 256])
+    section("norm", norm_rows, QWEN["name"], QWEN["hidden"], [1, 64, 256])
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
         section("kv_store", kv_store_rows, shape, bs, 32)
     gemm_batches = [int(b) for b in args.gemm_batches.split(",")] if not args.quick else [1]
@@ -349,6 +355,7 @@ def main() -> None:
     for part in (
         "attention",
         "decode_fused",
+        "norm",
         "kv_store",
         "gemm",
         "layer_chain_pdl",

@@ -46,7 +46,12 @@ class Engine:
         self.streams = streams
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
-        kernels = FusedKernels(mc.max_position_embeddings) if config.fused_kernels else None
+        # Small batches (up to fused_decode_max_bs rows) also take the Triton norms.
+        kernels = (
+            FusedKernels(mc.max_position_embeddings, small_rows=config.fused_decode_max_bs)
+            if config.fused_kernels
+            else None
+        )
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         load_weights(self.model, config.model_dir, progress)

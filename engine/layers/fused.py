@@ -26,6 +26,8 @@ from tandem.engine.sampler import RaceSample
 # qk_norm_rope.qk_norm_rope: (qkv, positions, q_weight, k_weight, table, *, num_heads, num_kv_heads, eps,
 # gemma) -> (q [T, H, D], k [T, Hkv, D]), both contiguous.
 QKNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# triton_norm.add_rmsnorm: (x, residual or None, weight, eps, *, gemma) -> normed x.
+SmallNorm = Callable[..., torch.Tensor]
 # attention/triton_decode.decode_rope_attention: a small decode batch's qkv -> attention output [B, H * D].
 DecodeRopeAttention = Callable[..., torch.Tensor]
 
@@ -33,7 +35,7 @@ DecodeRopeAttention = Callable[..., torch.Tensor]
 class FusedKernels:
     """One per model: holds the cos/sin tables, shared by every layer with the same rope."""
 
-    def __init__(self, max_positions: int) -> None:
+    def __init__(self, max_positions: int, small_rows: int = 0) -> None:
         import flashinfer  # a CUDA-only dependency (extra `gpu`), imported on first construction
 
         self._norm: Any = flashinfer.norm
@@ -48,10 +50,17 @@ class FusedKernels:
         # Small decode graphs: norms, rope, K/V store, attention and merge in one launch; None without Triton.
         self.decode_rope_attention: DecodeRopeAttention | None = _triton_decode_rope_attention()
         self.max_positions = max_positions
+        # Norms over at most `small_rows` rows (small decode batches) run as one Triton program per row
+        # (triton_norm.py) instead of flashinfer's kernel; None where Triton is missing.
+        self.small_rows = small_rows
+        self._small_norm: SmallNorm | None = _triton_small_norm() if small_rows > 0 else None
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
         """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split)."""
+        if self._small(x):
+            assert self._small_norm is not None
+            return self._small_norm(x, None, weight, eps, gemma=gemma)
         # PDL is left off: it only shaves launch latency, and graph capture stays the plain kind.
         if not gemma:
             return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
@@ -63,11 +72,17 @@ class FusedKernels:
         self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += delta, then delta = norm(residual), both in place: (normed, residual)."""
+        if self._small(delta):
+            assert self._small_norm is not None
+            return self._small_norm(delta, residual, weight, eps, gemma=gemma), residual
         if gemma:
             self._norm.gemma_fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
         else:
             self._norm.fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
         return delta, residual
+
+    def _small(self, x: torch.Tensor) -> bool:
+        return self._small_norm is not None and x.dim() == 2 and x.shape[0] <= self.small_rows
 
     def act_and_mul(self, x: torch.Tensor, *, gelu: bool) -> torch.Tensor:
         """act(x[..., :d]) * x[..., d:] for the merged gate/up output, in one kernel (no [T, d] temporaries).
@@ -127,6 +142,14 @@ def _triton_decode_rope_attention() -> DecodeRopeAttention | None:
     except ImportError:
         return None
     return decode_rope_attention
+
+
+def _triton_small_norm() -> SmallNorm | None:
+    try:
+        from tandem.engine.layers.triton_norm import add_rmsnorm
+    except ImportError:
+        return None
+    return add_rmsnorm
 
 
 def _triton_race_sample() -> RaceSample | None:
