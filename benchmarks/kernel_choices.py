@@ -284,6 +284,9 @@ def main() -> None:
         "--attention-cases", default="", help="model:batch:context:layers,... (default: the built-in cases)"
     )
     parser.add_argument("--attention-variants", default="", help="names in ATTENTION_VARIANTS (default: all)")
+    parser.add_argument(
+        "--fused-cases", default="", help="decode_fused part: model:batch:context,... (default: built-in)"
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     gemm_libs = tuple(args.gemm_libs.split(","))
@@ -325,6 +328,12 @@ def main() -> None:
         section("attention", attention_rows, shape, bs, ctx, layers, bandwidth, only)
     fused_cases = [(LLAMA, b, 512) for b in (1, 2, 4, 8, 16, 32, 64)] + [(LLAMA, 1, 4096)]
     fused_cases += [(QWEN, b, 1024) for b in (8, 32, 64)]
+    if args.fused_cases:
+        by_name = {s["name"]: s for s in (LLAMA, QWEN)}
+        fused_cases = [
+            (by_name[m], int(b), int(c))
+            for m, b, c in (case.split(":") for case in args.fused_cases.split(","))
+        ]
     for shape, bs, ctx in fused_cases[::3] if args.quick else fused_cases:
         section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
     section("norm", norm_rows, LLAMA["name"], LLAMA["hidden"], [1, 8, 32, 64, 256])

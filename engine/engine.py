@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class Engine:
         )
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
+        self.kernels = kernels
         load_weights(self.model, config.model_dir, progress)
         self.model.eval()
         self.capture_seconds = 0.0
@@ -107,7 +109,8 @@ class Engine:
 
     def _timed(self, capture: Callable[[], None]) -> None:
         start = time.perf_counter()
-        capture()
+        with self.kernels.graph_capture() if self.kernels is not None else contextlib.nullcontext():
+            capture()
         self.capture_seconds += time.perf_counter() - start
 
     def _num_pages(self) -> int:

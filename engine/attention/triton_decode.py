@@ -214,19 +214,16 @@ class DecodeScratch:
 
 def launch_config(batch: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
     """(splits per (row, KV head), tokens per block) for a decode graph of `batch` rows, measured on an H200
-    (kernel-choices-decode-fused.json, Llama-3.1-8B heads at 512 tokens of context). Up to about a quarter
-    of the SMs' worth of (row, head) pairs, one wave of programs (128 at batch 1 to 4 with 8 KV heads) beat
-    more splits; up to one SM's worth, four waves beat one (batch 8 and 16), so that no program walks a
-    long row alone; beyond, one split per pair. Blocks of 64 tokens beat 32 except where the splits leave
-    each program about 32 tokens (batch 1)."""
+    (kernel-choices-decode-fused.json: Llama-3.1-8B heads at 512 tokens of context, Qwen3-0.6B's at 1024).
+    Up to about a quarter of the SMs' worth of (row, head) pairs, one wave of programs (128 at batch 1 to 4
+    with 8 KV heads) beat more splits; beyond, about four waves (batch 8 to 64), so that no program walks a
+    long row alone. Blocks of 64 tokens beat 32 except where 16 splits leave each program about 32 tokens
+    (batch 1 at 512; at 4096 tokens 64 would win there too)."""
     pairs = batch * num_kv_heads
-    if pairs > num_sms:
-        splits = 1
-    else:
-        programs = num_sms if 4 * pairs <= num_sms else 4 * num_sms
-        splits = 1
-        while splits * 2 <= 16 and pairs * splits * 2 <= programs:
-            splits *= 2
+    programs = num_sms if 4 * pairs <= num_sms else 4 * num_sms
+    splits = 1
+    while splits * 2 <= 16 and pairs * splits * 2 <= programs:
+        splits *= 2
     return splits, 32 if splits >= 16 else 64
 
 
