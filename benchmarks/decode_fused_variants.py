@@ -3,7 +3,7 @@ attention output, as the engine ran it before small-batch decode got its one lau
 store, then flashinfer's tensor-core decode with its merge) against engine/attention/triton_decode.py at
 several split counts, block sizes and warp counts. Each is timed in a CUDA graph over one K/V cache per
 layer, so L2 serves none of the KV; each fused variant records its largest difference from the chain's
-output and whether it stored the same K/V."""
+output, and how far the K/V it stored is from the chain's."""
 
 from __future__ import annotations
 
@@ -112,9 +112,13 @@ def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> 
                 c[slots.long()] = 0  # the fused launch must store the new K/V itself
             run(caches=flat[0])
             row[f"{name}_err"] = round(float((fused_out.float() - reference.float()).abs().max()), 4)
-            row[f"{name}_stores"] = bool(
-                torch.equal(flat[0][0][slots.long()], stored[0])
-                and torch.equal(flat[0][1][slots.long()], stored[1])
+            # The stored K/V against the chain's. A bit-for-bit check of both failed on the H200 at some
+            # batch sizes (32-256) while the outputs matched; v is a plain copy and must match exactly, and
+            # k's largest difference tells a rounding of the same float32 rope (one bf16 step: a different
+            # contraction of its multiply-adds) from a wrong store.
+            row[f"{name}_v_stored"] = bool(torch.equal(flat[0][1][slots.long()], stored[1]))
+            row[f"{name}_k_store_err"] = round(
+                float((flat[0][0][slots.long()].float() - stored[0].float()).abs().max()), 4
             )
             row[name] = round(graph_us(lambda i, run=run: run(caches=flat[i]), layers), 2)
             row[f"{name}_err_replays"] = _replayed_error(

@@ -378,7 +378,7 @@ def main() -> None:
                 [
                     k
                     for k in group[0]
-                    if k not in ("part", "triton_sweep") and not k.endswith(("_err", "_stores", "_replays"))
+                    if k not in ("part", "triton_sweep") and not k.endswith(("_err", "_stored", "_replays"))
                 ],
             )
 

@@ -88,7 +88,7 @@ class EngineArgs(BaseModel):
         default=None,
         ge=0,
         description="Largest decode graph whose layers run rope, K/V store and attention as one Triton "
-        "launch; 0 keeps flashinfer's decode throughout.",
+        "launch, with Triton norms; 0 keeps flashinfer's kernels throughout.",
     )
 
     def to_llm_kwargs(self) -> dict[str, Any]:

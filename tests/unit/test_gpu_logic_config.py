@@ -24,6 +24,9 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
     assert switches["copy_stream"] is False
     assert switches["dtype"] == "float32" and switches["device"] == "cpu"
     assert set(switches) >= {"cuda_graph_max_bs", "piecewise_max_tokens", "page_size"}
+    # The one-launch decode lives in decode graphs: off wherever they are, whatever was asked.
+    assert switches["fused_decode_max_bs"] == 0
+    assert resolve_engine_config(tmp_path, device="cpu", fused_decode_max_bs=8).fused_decode_max_bs == 0
 
 
 @pytest.mark.parametrize(
@@ -33,6 +36,8 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
         ({"attention_backend": "triton"}, "attention_backend"),
         ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs"),
         ({"piecewise_max_tokens": -1}, "piecewise_max_tokens"),
+        ({"fused_decode_max_bs": -1}, "fused_decode_max_bs"),
+        ({"fused_decode_max_bs": 2.5}, "fused_decode_max_bs"),
     ],
 )
 def test_bad_switches_fail_at_the_edge(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
@@ -44,6 +49,9 @@ def test_runtime_options_validate_graph_sizes() -> None:
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         RuntimeOptions(cuda_graph_max_bs=0).validate()
     RuntimeOptions(attention_backend="torch", piecewise_cuda_graph=False).validate()
+    with pytest.raises(ValueError, match="fused_decode_max_bs"):
+        RuntimeOptions(fused_decode_max_bs=-1).validate()
+    RuntimeOptions(fused_decode_max_bs=0).validate()
 
 
 def test_flashinfer_is_never_imported_on_the_cpu_path() -> None:
@@ -57,6 +65,8 @@ def test_gpu_only_modules_compile() -> None:
         "engine/attention/flashinfer_backend.py",
         "engine/cuda_graph.py",
         "engine/piecewise_graph.py",
+        "engine/attention/triton_decode.py",
+        "engine/layers/triton_norm.py",
     ):
         py_compile.compile(str(ROOT / name), doraise=True)
 
