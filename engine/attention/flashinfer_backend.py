@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flashinfer
 import torch
@@ -30,6 +30,9 @@ from tandem.engine.attention.paged_layout import (
 )
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
+
+if TYPE_CHECKING:
+    from tandem.engine.attention.triton_decode import DecodeScratch
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ class FlashInferBackend:
         # Decode graphs of up to this many rows run the one-launch decode (triton_decode.py) in the KV
         # groups it serves; `_fused` holds the planned batch's buffers per such group, or None.
         self.fused_decode_max_bs = fused_decode_max_bs
-        self._fused_scratch: dict[int, Any] = {}
+        # Per served group: its scratch, and (splits, block) per graph size.
+        self._fused_scratch: dict[int, tuple[DecodeScratch, dict[int, tuple[int, int]]]] = {}
         self._fused: dict[int, FusedDecode | None] = {}
         self._planned = torch.cuda.Event()
         self._has_planned = False
