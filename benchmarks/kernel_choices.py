@@ -6,6 +6,7 @@ Qwen3-0.6B offline at batch up to 256):
 
 - attention: flashinfer's tensor-core decode (the fa2 prefill kernel) against its CUDA-core decode
   kernel, each with the default KV split, no split, and fixed splits, in graph-mode plans;
+- act (act_variants.py): flashinfer's SiLU-and-multiply against a candidate Triton kernel;
 - norm (norm_variants.py): flashinfer's fused add + RMS norm against a Triton kernel of one program a row;
 - decode_fused (decode_fused_variants.py): the rope with the K/V store then flashinfer's decode, against
   the one-launch small-batch decode (engine/attention/triton_decode.py) at several splits and block sizes;
@@ -170,6 +171,12 @@ def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str,
     return [row]
 
 
+def _act_rows(model: str, inter: int, batches: list[int]) -> list[dict[str, Any]]:
+    from tandem.benchmarks.act_variants import act_rows  # defines a Triton kernel: CUDA hosts only
+
+    return act_rows(model, inter, batches)
+
+
 def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -> list[dict[str, Any]]:
     """A decode layer without attention (norm, qkv, o, norm, gate_up, act, down), PDL on or off on the
     flashinfer kernels, `layers` distinct weight sets cycled `repeat` times."""
@@ -276,7 +283,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
-        "--parts", default="attention,decode_fused,norm,kv_store,gemm,pdl,sampling,qk_norm_rope"
+        "--parts", default="attention,decode_fused,norm,act,kv_store,gemm,pdl,sampling,qk_norm_rope"
     )
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
@@ -338,6 +345,8 @@ def main() -> None:
         section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
     section("norm", norm_rows, LLAMA["name"], LLAMA["hidden"], [1, 8, 32, 64, 256])
     section("norm", norm_rows, QWEN["name"], QWEN["hidden"], [1, 64, 256])
+    section("act", _act_rows, LLAMA["name"], LLAMA["inter"], [1, 8, 32])
+    section("act", _act_rows, QWEN["name"], QWEN["inter"], [1, 32, 256])
     for shape, bs in [(LLAMA, 1), (LLAMA, 64), (QWEN, 256)]:
         section("kv_store", kv_store_rows, shape, bs, 32)
     gemm_batches = [int(b) for b in args.gemm_batches.split(",")] if not args.quick else [1]
@@ -365,6 +374,7 @@ def main() -> None:
         "attention",
         "decode_fused",
         "norm",
+        "act",
         "kv_store",
         "gemm",
         "layer_chain_pdl",
