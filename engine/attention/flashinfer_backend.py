@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flashinfer
 import torch
@@ -30,9 +30,6 @@ from tandem.engine.attention.paged_layout import (
 )
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
-
-if TYPE_CHECKING:
-    from tandem.engine.attention.triton_decode import DecodeScratch
 
 
 @dataclass(frozen=True)
@@ -127,8 +124,8 @@ class FlashInferBackend:
         # Decode graphs of up to this many rows run the one-launch decode (triton_decode.py) in the KV
         # groups it serves; `_fused` holds the planned batch's buffers per such group, or None.
         self.fused_decode_max_bs = fused_decode_max_bs
-        # Per served group: its scratch, and (splits, block) per graph size.
-        self._fused_scratch: dict[int, tuple[DecodeScratch, dict[int, tuple[int, int]]]] = {}
+        # Per served group and graph size, built once: the graphs' buffers never move.
+        self._fused_by_size: dict[int, dict[int, FusedDecode]] = {}
         self._fused: dict[int, FusedDecode | None] = {}
         self._planned = torch.cuda.Event()
         self._has_planned = False
@@ -255,8 +252,8 @@ class FlashInferBackend:
         self._init_fused_decode(batch_sizes)
 
     def _init_fused_decode(self, batch_sizes: list[int]) -> None:
-        """Scratch for the one-launch decode in each KV group it serves: full attention, no soft-cap, a
-        power-of-two head_dim, at graph sizes up to `fused_decode_max_bs`."""
+        """The one-launch decode's buffers and launch configuration for each KV group it serves (full
+        attention, no soft-cap, a power-of-two head_dim), at graph sizes up to `fused_decode_max_bs`."""
         sizes = [bs for bs in batch_sizes if bs <= self.fused_decode_max_bs]
         served = {
             gid: k
@@ -272,17 +269,27 @@ class FlashInferBackend:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         for gid, k in served.items():
             configs = {bs: launch_config(bs, k.num_kv_heads, sms) for bs in sizes}
-            self._fused_scratch[gid] = (
-                DecodeScratch.allocate(
-                    max_bs=max(sizes),
-                    max_row_splits=max(bs * n for bs, (n, _) in configs.items()),
-                    num_heads=k.num_heads,
-                    num_kv_heads=k.num_kv_heads,
-                    head_dim=k.head_dim,
-                    device=self.device,
-                ),
-                configs,
+            scratch = DecodeScratch.allocate(
+                max_bs=max(sizes),
+                max_row_splits=max(bs * n for bs, (n, _) in configs.items()),
+                num_heads=k.num_heads,
+                num_kv_heads=k.num_kv_heads,
+                head_dim=k.head_dim,
+                device=self.device,
             )
+            bufs = self._graph[gid]
+            self._fused_by_size[gid] = {
+                bs: FusedDecode(
+                    pages=(bufs.indptr[: bs + 1], bufs.indices),
+                    old_lens=bufs.coords[0, :bs],  # the new token's index in its row's listed KV
+                    slots=bufs.coords[1, :bs],
+                    scratch=scratch,
+                    page_size=self.page_size,
+                    splits=splits,
+                    block_n=block_n,
+                )
+                for bs, (splits, block_n) in configs.items()
+            }
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
         self._wait_previous_plan()
@@ -317,22 +324,8 @@ class FlashInferBackend:
                 bufs.last_page_len[:graph_bs],
                 bufs.coords[1, :graph_bs],
             )
-            self._fused[gid] = self._fused_plan(gid, bufs, graph_bs)
+            self._fused[gid] = self._fused_by_size.get(gid, {}).get(graph_bs)
         self._record_plan()
-
-    def _fused_plan(self, gid: int, bufs: _GraphBuffers, graph_bs: int) -> FusedDecode | None:
-        scratch = self._fused_scratch.get(gid)
-        if scratch is None or graph_bs not in scratch[1]:
-            return None
-        return FusedDecode(
-            pages=(bufs.indptr[: graph_bs + 1], bufs.indices),
-            old_lens=bufs.coords[0, :graph_bs],  # the new token's index in its row's listed KV
-            slots=bufs.coords[1, :graph_bs],
-            scratch=scratch[0],
-            page_size=self.page_size,
-            splits=scratch[1][graph_bs][0],
-            block_n=scratch[1][graph_bs][1],
-        )
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:
         return self._fused.get(group_id)
