@@ -1,40 +1,17 @@
 """kernel_choices.py's `act` part: the MLP's activation and product (silu(gate) * up over the merged gate/up
-output) at decode batch sizes, flashinfer's `silu_and_mul` (what the engine runs) against a candidate Triton
-kernel of one program per block of a row, for small decode graphs, where the norms' Triton form already won
-(1.6 against 2.5 µs at one row; kernel-choices-decode-fused.json). Not wired into the engine: this part
-decides whether it should be."""
+output) at decode batch sizes, flashinfer's `silu_and_mul` against the Triton kernel of small decode graphs
+(engine/layers/triton_act.py) at several block sizes and warp counts."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from tandem.benchmarks.common import graph_us
+from tandem.engine.layers.triton_act import silu_and_mul
 
 CALLS = 32
-
-
-@triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, N: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up  # one rounding, as flashinfer's kernel
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> torch.Tensor:
-    """x [T, 2N] (gate then up) -> silu(gate) * up [T, N]."""
-    n = x.shape[1] // 2
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    launch: Any = silu_and_mul_kernel[(x.shape[0], triton.cdiv(n, block))]
-    launch(x, out, x.stride(0), out.stride(0), N=n, BLOCK=block, num_warps=num_warps)
-    return out
 
 
 def act_rows(model: str, inter: int, batches: list[int]) -> list[dict[str, Any]]:

@@ -13,7 +13,8 @@ Qwen3-0.6B offline at batch up to 256):
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
 - weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
-- programmatic dependent launch (PDL) on the fused norm and activation kernels in a layer chain;
+- chain (layer_chain.py): a whole small-batch decode layer in a graph, with the Triton activation,
+  flashinfer's tinygemm for some or all GEMMs, and programmatic dependent launch (PDL);
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`,
   and the sampler from bf16 logits with flashinfer's draw against the one-pass Triton race
   (engine/sampling_race.py).
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tandem.benchmarks.common import (
     RESULTS,
@@ -46,6 +46,7 @@ from tandem.benchmarks.common import (
 from tandem.benchmarks.decode_fused_variants import decode_fused_rows
 from tandem.benchmarks.engine_steps import sampling
 from tandem.benchmarks.gemm_variants import GEMM_LIBS, gemm_rows
+from tandem.benchmarks.layer_chain import chain_rows
 from tandem.benchmarks.norm_variants import norm_rows
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 from tandem.benchmarks.qk_norm_rope_variants import qk_norm_rope_rows
@@ -177,39 +178,6 @@ def _act_rows(model: str, inter: int, batches: list[int]) -> list[dict[str, Any]
     return act_rows(model, inter, batches)
 
 
-def pdl_rows(shape: dict[str, Any], bs: int, layers: int = 8, repeat: int = 4) -> list[dict[str, Any]]:
-    """A decode layer without attention (norm, qkv, o, norm, gate_up, act, down), PDL on or off on the
-    flashinfer kernels, `layers` distinct weight sets cycled `repeat` times."""
-    import flashinfer
-
-    h, i, heads, kvh = shape["hidden"], shape["inter"], shape["heads"], shape["kv_heads"]
-
-    def w(n: int, kdim: int) -> torch.Tensor:
-        return torch.randn(n, kdim, dtype=BF16, device="cuda") * 0.02
-
-    weights = [
-        (w((heads + 2 * kvh) * HEAD_DIM, h), w(h, heads * HEAD_DIM), w(2 * i, h), w(h, i))
-        for _ in range(layers)
-    ]
-    norm_w = torch.ones(h, dtype=BF16, device="cuda")
-    x = torch.randn(bs, h, dtype=BF16, device="cuda")
-    residual = torch.randn_like(x)
-    row: dict[str, Any] = {"part": "layer_chain_pdl", "model": shape["name"], "bs": bs}
-    for pdl in (False, True):
-
-        def layer(j: int, pdl: bool = pdl) -> None:
-            qkv_w, o_w, gu_w, d_w = weights[j % layers]
-            flashinfer.norm.fused_add_rmsnorm(x, residual, norm_w, 1e-6, enable_pdl=pdl)
-            qkv = F.linear(x, qkv_w)
-            attn = F.linear(qkv[:, : heads * HEAD_DIM], o_w)
-            flashinfer.norm.fused_add_rmsnorm(attn, residual, norm_w, 1e-6, enable_pdl=pdl)
-            act = flashinfer.activation.silu_and_mul(F.linear(attn, gu_w), enable_pdl=pdl)
-            x.copy_(F.linear(act, d_w))
-
-        row["pdl_on" if pdl else "pdl_off"] = round(graph_us(layer, layers * repeat), 2)
-    return [row]
-
-
 def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
     import flashinfer
     from torch.profiler import ProfilerActivity, profile
@@ -283,7 +251,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
-        "--parts", default="attention,decode_fused,norm,act,kv_store,gemm,pdl,sampling,qk_norm_rope"
+        "--parts", default="attention,decode_fused,norm,act,kv_store,gemm,chain,sampling,qk_norm_rope"
     )
     parser.add_argument("--gemm-libs", default=",".join(GEMM_LIBS), help="GEMM part: libraries to time")
     parser.add_argument("--gemm-batches", default="1,8,64", help="GEMM part: Llama-3.1-8B batch sizes")
@@ -353,8 +321,8 @@ def main() -> None:
     section("gemm", gemm_rows, LLAMA, gemm_batches, bandwidth, gemm_libs)
     if not args.quick:
         section("gemm", gemm_rows, QWEN, [64, 256], bandwidth, gemm_libs)
-    for bs in (1, 64):
-        section("pdl", pdl_rows, LLAMA, bs)
+    for bs in (1, 8, 32):
+        section("chain", chain_rows, LLAMA, bs)
     section("sampling", sampling_rows, 128256, [1, 64])
     section("sampling", sampling_rows, 151936, [256])
     section("qk_norm_rope", qk_norm_rope_rows, QWEN, [1, 64, 256], False)
@@ -377,7 +345,7 @@ def main() -> None:
         "act",
         "kv_store",
         "gemm",
-        "layer_chain_pdl",
+        "chain",
         "sampling",
         "qk_norm_rope",
     ):

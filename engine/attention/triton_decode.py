@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.layers.pdl import pdl_launch
+
 _LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot's smallest M: query groups are padded to it
 
@@ -52,6 +54,44 @@ def _norm_rope(  # type: ignore[no-untyped-def]  # tensors and constexprs
         x1 = (x1 * tl.expand_dims(rstd, -1) * w1).to(DT).to(tl.float32)  # the norm's rounding
         x2 = (x2 * tl.expand_dims(rstd, -1) * w2).to(DT).to(tl.float32)
     return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
+
+
+@triton.jit
+def _kv_block(  # type: ignore[no-untyped-def]  # tensors and constexprs
+    k_cache_ptr,
+    v_cache_ptr,
+    indices_ptr,
+    start_page,
+    begin,
+    hi,
+    h,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The K (two halves) and V of a row's tokens [begin, begin + BLOCK_N), zero from `hi` on."""
+    t = begin + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, D // 2)
+    valid = t < hi
+    page = tl.load(indices_ptr + start_page + t // PAGE, mask=valid, other=0).to(tl.int64)
+    rows = ((page * PAGE + t % PAGE) * HKV + h)[:, None] * D
+    kb1 = tl.load(k_cache_ptr + rows + half[None, :], mask=valid[:, None], other=0.0)
+    kb2 = tl.load(k_cache_ptr + rows + D // 2 + half[None, :], mask=valid[:, None], other=0.0)
+    vb = tl.load(v_cache_ptr + rows + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return kb1, kb2, vb, valid
+
+
+@triton.jit
+def _attend(q1, q2, kb1, kb2, vb, valid, m, acc, total, qk_scale):  # type: ignore[no-untyped-def]
+    """One block of the online softmax: (m, acc, total) after the block's scores and values."""
+    scores = (tl.dot(q1, tl.trans(kb1)) + tl.dot(q2, tl.trans(kb2))) * qk_scale
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    return m_new, acc, total * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -86,6 +126,8 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     BLOCK_N: tl.constexpr,
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
+    PRELOAD: tl.constexpr,  # each block's K/V is loaded one block ahead, the first before the wait
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -95,9 +137,25 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     d = tl.arange(0, D)
     in_group = g < GROUP
     row = qkv_ptr + b * stride_qkv
+    # Before the wait (PDL): what was written before the graph began (positions, page lists, lengths and
+    # earlier tokens' K/V) and the rope table, never the q/k/v projection's output.
     pos = tl.load(pos_ptr + b)
     cos = tl.load(table_ptr + pos * stride_table + half)
     sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)
+    slot = tl.load(slot_ptr + b).to(tl.int64) * HKV + h
+    # This split's block-aligned share of the earlier tokens.
+    start_page = tl.load(indptr_ptr + b)
+    old = tl.load(old_ptr + b)
+    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * share
+    hi = tl.minimum(lo + share, old)
+    if PRELOAD:
+        kb1, kb2, vb, valid = _kv_block(
+            k_cache_ptr, v_cache_ptr, indices_ptr, start_page, lo, hi, h, HKV, D, PAGE, BLOCK_N
+        )
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     heads = (h * GROUP + g)[:, None] * D
     qx1 = tl.load(row + heads + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
     qx2 = tl.load(row + heads + D // 2 + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
@@ -114,7 +172,6 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
 
     # Split 0 owns the new token: it stores its K/V and starts its softmax from it.
     first = s == 0
-    slot = tl.load(slot_ptr + b).to(tl.int64) * HKV + h
     tl.store(k_cache_ptr + slot * D + half[None, :], k1, mask=first & (half < D // 2)[None, :])
     tl.store(k_cache_ptr + slot * D + D // 2 + half[None, :], k2, mask=first & (half < D // 2)[None, :])
     tl.store(v_cache_ptr + slot * D + d[None, :], v_new, mask=first & (d < D)[None, :])
@@ -125,29 +182,28 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     total = tl.where(first, 1.0, 0.0) + tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32) + tl.where(first, v_new.to(tl.float32), 0.0)
 
-    # This split's block-aligned share of the earlier tokens.
-    start_page = tl.load(indptr_ptr + b)
-    old = tl.load(old_ptr + b)
-    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
-    lo = s * share
-    hi = tl.minimum(lo + share, old)
-    t = tl.arange(0, BLOCK_N)
-    for begin in range(lo, hi, BLOCK_N):
-        tok = begin + t
-        valid = tok < hi
-        page = tl.load(indices_ptr + start_page + tok // PAGE, mask=valid, other=0).to(tl.int64)
-        rows = ((page * PAGE + tok % PAGE) * HKV + h)[:, None] * D
-        kb1 = tl.load(k_cache_ptr + rows + half[None, :], mask=valid[:, None], other=0.0)
-        kb2 = tl.load(k_cache_ptr + rows + D // 2 + half[None, :], mask=valid[:, None], other=0.0)
-        vb = tl.load(v_cache_ptr + rows + d[None, :], mask=valid[:, None], other=0.0)
-        scores = (tl.dot(q1, tl.trans(kb1)) + tl.dot(q2, tl.trans(kb2))) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        total = total * alpha + tl.sum(p, 1)
-        m = m_new
+    if PRELOAD:
+        for begin in range(lo, hi, BLOCK_N):
+            m, acc, total = _attend(q1, q2, kb1, kb2, vb, valid, m, acc, total, qk_scale)
+            kb1, kb2, vb, valid = _kv_block(
+                k_cache_ptr,
+                v_cache_ptr,
+                indices_ptr,
+                start_page,
+                begin + BLOCK_N,
+                hi,
+                h,
+                HKV,
+                D,
+                PAGE,
+                BLOCK_N,
+            )
+    else:
+        for begin in range(lo, hi, BLOCK_N):
+            kb1, kb2, vb, valid = _kv_block(
+                k_cache_ptr, v_cache_ptr, indices_ptr, start_page, begin, hi, h, HKV, D, PAGE, BLOCK_N
+            )
+            m, acc, total = _attend(q1, q2, kb1, kb2, vb, valid, m, acc, total, qk_scale)
 
     gp = tl.arange(0, GROUP_P2)
     if SPLITS == 1:
@@ -250,13 +306,19 @@ def decode_rope_attention(
     block_n: int = 32,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """One decode token per row: qkv [B, (H + 2 Hkv) * D] (the merged projection, before norms and rope)
     -> attention output [B, H * D].
 
     `caches` (k, v) are [num_slots, Hkv, D] views of the paged pool; `pages` (indptr [B + 1], indices) list
     each row's pages; `old_lens` [B] counts each row's tokens before the new one; `slots` [B] is the new
-    token's flat slot. Without `q_weight` and `k_weight` there are no norms."""
+    token's flat slot. Without `q_weight` and `k_weight` there are no norms.
+
+    `pdl`: a programmatic dependent launch (engine/layers/pdl.py): each program reads its metadata and the
+    first block of earlier tokens' K/V before it waits for the q/k/v projection. `preload` (default: as
+    `pdl`) loads each block of K/V one block ahead; apart, so the CPU interpreter can test it."""
     d = table.shape[1]
     batch = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -306,6 +368,8 @@ def decode_rope_attention(
         BLOCK_N=block_n,
         NORM=norm,
         GEMMA=gemma,
+        PRELOAD=pdl if preload is None else preload,
         num_warps=num_warps,
+        **pdl_launch(pdl),
     )
     return out

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.layers.pdl import pdl_launch
+
 
 @triton.jit
 def add_rmsnorm_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
@@ -32,12 +34,18 @@ def add_rmsnorm_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     BLOCK: tl.constexpr,
     ADD: tl.constexpr,
     GEMMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        # Launched before the previous kernel ends: only the weight (a constant) is read before the wait.
+        # The next kernel may start now (a GEMM then streams its weights in while this runs).
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         total = (x + r).to(res_ptr.dtype.element_ty)
@@ -57,9 +65,12 @@ def add_rmsnorm(
     *,
     gemma: bool,
     num_warps: int = 8,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, N] (rows may be strided, the last dim contiguous). With `residual` [T, N]: residual += x and
-    x = norm(residual), in place, returning x. Without: a new tensor norm(x)."""
+    x = norm(residual), in place, returning x. Without: a new tensor norm(x).
+
+    `pdl`: a programmatic dependent launch (Hopper and later, see pdl.py)."""
     if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("needs [T, N] rows with a contiguous last dim")
     n = x.shape[1]
@@ -79,5 +90,6 @@ def add_rmsnorm(
         ADD=residual is not None,
         GEMMA=gemma,
         num_warps=num_warps,
+        **pdl_launch(pdl),
     )
     return out

@@ -1,4 +1,4 @@
-"""The candidate Triton SiLU-and-multiply (benchmarks/act_variants.py) against torch in float32, in Triton's
+"""The candidate Triton SiLU-and-multiply (engine/layers/triton_act.py) against torch in float32, in Triton's
 CPU interpreter: a width that is not a multiple of the block, and strided rows. Skips without Triton (CI);
 kernel_choices.py's `act` part times it against flashinfer's kernel on the GPU."""
 
@@ -11,7 +11,7 @@ CASES = [(1, 100, 64), (3, 256, 128)]  # (rows, width of gate and of up, block)
 SCRIPT = """
 import json, sys, torch
 import torch.nn.functional as F
-from tandem.benchmarks.act_variants import silu_and_mul
+from tandem.engine.layers.triton_act import silu_and_mul
 
 results = []
 for rows, n, block in json.loads(sys.argv[1]):
