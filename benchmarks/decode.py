@@ -14,6 +14,7 @@ from bandwidth and matmul rate measured in the same run. Steps run straight thro
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,12 @@ def main() -> None:
     parser.add_argument(
         "--fused-decode-max-bs", type=int, default=None, help="the engine option (default: its default)"
     )
+    parser.add_argument(
+        "--engine",
+        type=json.loads,
+        default={},
+        help='more engine options as JSON, e.g. \'{"pdl_max_bs": 8, "small_gemm_max_bs": 8}\'',
+    )
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -73,6 +80,7 @@ def main() -> None:
         cuda_graph=True,
         max_bs=max(batches),
         fused_decode_max_bs=args.fused_decode_max_bs,
+        options=args.engine,
     )
     print(
         f"engine in {time.perf_counter() - start:.0f} s (graph capture {engine.capture_seconds:.0f} s)",

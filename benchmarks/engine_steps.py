@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,9 +29,13 @@ def build_engine(
     cuda_graph: bool,
     max_bs: int,
     fused_decode_max_bs: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Engine:
-    """An engine for decode timings; `fused_decode_max_bs` None keeps the engine's default."""
-    extra = {} if fused_decode_max_bs is None else {"fused_decode_max_bs": fused_decode_max_bs}
+    """An engine for decode timings; `fused_decode_max_bs` None keeps the engine's default, `options`
+    are more of resolve_engine_config's keywords."""
+    extra = dict(options or {})
+    if fused_decode_max_bs is not None:
+        extra["fused_decode_max_bs"] = fused_decode_max_bs
     config = resolve_engine_config(
         model_dir,
         device=str(device),

@@ -41,6 +41,7 @@ VARIANTS = [
     Variant("engine", False, frozenset(), False),  # what the engine ran before this part
     Variant("triton-act", True, frozenset(), False),
     Variant("pdl", True, frozenset(), True),
+    Variant("pdl-no-preload", True, frozenset(), True, False),
     Variant("tiny-od", True, OD, False),
     Variant("pdl-tiny-od", True, OD, True),
     Variant("tiny-all", True, ALL, False),

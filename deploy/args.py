@@ -90,6 +90,18 @@ class EngineArgs(BaseModel):
         description="Largest decode graph whose layers run rope, K/V store and attention as one Triton "
         "launch, with Triton norms; 0 keeps flashinfer's kernels throughout.",
     )
+    pdl_max_bs: int | None = Field(
+        default=None,
+        ge=0,
+        description="Largest CUDA graph whose Triton kernels and small GEMMs use programmatic dependent "
+        "launch (Hopper and later); at most fused_decode_max_bs; 0 turns it off.",
+    )
+    small_gemm_max_bs: int | None = Field(
+        default=None,
+        ge=0,
+        description="Largest CUDA graph whose GEMMs run as flashinfer's tinygemm instead of cuBLAS; "
+        "0: cuBLAS throughout.",
+    )
 
     def to_llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `LLM(model, **kwargs)`: every field that is not None."""

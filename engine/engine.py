@@ -49,7 +49,12 @@ class Engine:
         mc = self.model_config
         # Small batches (up to fused_decode_max_bs rows) also take the Triton norms.
         kernels = (
-            FusedKernels(mc.max_position_embeddings, small_rows=config.fused_decode_max_bs)
+            FusedKernels(
+                mc.max_position_embeddings,
+                small_rows=config.fused_decode_max_bs,
+                pdl_rows=config.pdl_max_bs,
+                gemm_rows=config.small_gemm_max_bs,
+            )
             if config.fused_kernels
             else None
         )

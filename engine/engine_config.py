@@ -17,6 +17,10 @@ _BACKENDS = ("auto", "torch", "flashinfer")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 # Decode graphs of up to this many rows take the one-launch decode by default (see EngineConfig).
 FUSED_DECODE_MAX_BS = 32
+# Graphs of up to this many rows launch their Triton kernels with PDL by default (see EngineConfig).
+PDL_MAX_BS = 0
+# Graphs' GEMMs of up to this many rows run as flashinfer's tinygemm by default (see EngineConfig).
+SMALL_GEMM_MAX_BS = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class EngineConfig:
     # and split merge as one Triton launch (attention/triton_decode.py), and graphs' norms over up to
     # this many rows run as Triton kernels (layers/triton_norm.py); 0 turns both off.
     fused_decode_max_bs: int = 0
+    # CUDA graphs of up to this many rows launch their Triton kernels (and tinygemm) with programmatic
+    # dependent launch (layers/pdl.py); 0 turns it off. Never more than `fused_decode_max_bs`.
+    pdl_max_bs: int = 0
+    # CUDA graphs' GEMMs of up to this many rows run as flashinfer's tinygemm (FusedKernels.linear).
+    small_gemm_max_bs: int = 0
     max_batch_size: int = 256
 
     def switches(self) -> dict[str, object]:
@@ -57,6 +66,8 @@ class EngineConfig:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "piecewise_max_tokens": self.piecewise_max_tokens,
             "fused_decode_max_bs": self.fused_decode_max_bs,
+            "pdl_max_bs": self.pdl_max_bs,
+            "small_gemm_max_bs": self.small_gemm_max_bs,
             "page_size": self.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
@@ -131,6 +142,8 @@ def resolve_engine_config(
     cuda_graph_max_bs: int = 256,
     piecewise_max_tokens: int = 2048,
     fused_decode_max_bs: int = FUSED_DECODE_MAX_BS,
+    pdl_max_bs: int = PDL_MAX_BS,
+    small_gemm_max_bs: int = SMALL_GEMM_MAX_BS,
     kv_tokens_cpu: int = 32768,
 ) -> EngineConfig:
     dev = resolve_device(device)
@@ -144,8 +157,13 @@ def resolve_engine_config(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(fused_decode_max_bs, int) or fused_decode_max_bs < 0:
-        raise ValueError(f"fused_decode_max_bs must be an int >= 0, got {fused_decode_max_bs!r}")
+    for name, value in (
+        ("fused_decode_max_bs", fused_decode_max_bs),
+        ("pdl_max_bs", pdl_max_bs),
+        ("small_gemm_max_bs", small_gemm_max_bs),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     on_gpu = dev.type == "cuda"
     backend = resolve_backend(attention_backend, dev, _head_dim(model_dir) if on_gpu else None)
     # flashinfer and CUDA graphs like 16-token pages; on CPU small pages keep tiny pools fine-grained.
@@ -172,4 +190,7 @@ def resolve_engine_config(
         piecewise_max_tokens=piecewise_max_tokens,
         # The one-launch decode lives inside decode graphs and is one of the fused kernels.
         fused_decode_max_bs=fused_decode_max_bs if graphs and fused else 0,
+        # Both live inside CUDA graphs, with the fused kernels; PDL only for the Triton kernels' rows.
+        pdl_max_bs=min(pdl_max_bs, fused_decode_max_bs) if graphs and fused else 0,
+        small_gemm_max_bs=small_gemm_max_bs if graphs and fused else 0,
     )

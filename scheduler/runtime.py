@@ -13,7 +13,12 @@ import torch
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.engine_config import FUSED_DECODE_MAX_BS, resolve_engine_config
+from tandem.engine.engine_config import (
+    FUSED_DECODE_MAX_BS,
+    PDL_MAX_BS,
+    SMALL_GEMM_MAX_BS,
+    resolve_engine_config,
+)
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
@@ -46,6 +51,8 @@ class RuntimeOptions:
     cuda_graph_max_bs: int = 256
     piecewise_max_tokens: int = 2048
     fused_decode_max_bs: int = FUSED_DECODE_MAX_BS  # 0: flashinfer's decode at every batch size
+    pdl_max_bs: int = PDL_MAX_BS  # 0: no programmatic dependent launch
+    small_gemm_max_bs: int = SMALL_GEMM_MAX_BS  # 0: cuBLAS for every GEMM
 
     def validate(self) -> None:
         names = ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len")
@@ -53,8 +60,10 @@ class RuntimeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if not isinstance(self.fused_decode_max_bs, int) or self.fused_decode_max_bs < 0:
-            raise ValueError(f"fused_decode_max_bs must be an int >= 0, got {self.fused_decode_max_bs!r}")
+        for name in ("fused_decode_max_bs", "pdl_max_bs", "small_gemm_max_bs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,8 @@ class RankRuntime:
             cuda_graph_max_bs=options.cuda_graph_max_bs,
             piecewise_max_tokens=options.piecewise_max_tokens,
             fused_decode_max_bs=options.fused_decode_max_bs,
+            pdl_max_bs=options.pdl_max_bs,
+            small_gemm_max_bs=options.small_gemm_max_bs,
         )
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)

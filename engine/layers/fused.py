@@ -31,12 +31,18 @@ QKNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 SmallNorm = Callable[..., torch.Tensor]
 # attention/triton_decode.decode_rope_attention: a small decode batch's qkv -> attention output [B, H * D].
 DecodeRopeAttention = Callable[..., torch.Tensor]
+# triton_act.silu_and_mul: (x [T, 2N], *, pdl) -> silu(gate) * up [T, N].
+SmallAct = Callable[..., torch.Tensor]
+# flashinfer.gemm.tinygemm_bf16: (x, weight, out, bias, use_pdl) -> None, out = x weight^T (+ bias).
+SmallGemm = Callable[..., None]
 
 
 class FusedKernels:
     """One per model: holds the cos/sin tables, shared by every layer with the same rope."""
 
-    def __init__(self, max_positions: int, small_rows: int = 0) -> None:
+    def __init__(
+        self, max_positions: int, small_rows: int = 0, pdl_rows: int = 0, gemm_rows: int = 0
+    ) -> None:
         import flashinfer  # a CUDA-only dependency (extra `gpu`), imported on first construction
 
         self._norm: Any = flashinfer.norm
@@ -57,6 +63,12 @@ class FusedKernels:
         # launch costs more than the kernel saves (an eager batch-1 Llama-3.1-8B step went from 8.5 to 21 ms).
         self.small_rows = small_rows
         self._small_norm: SmallNorm | None = _triton_small_norm() if small_rows > 0 else None
+        self._small_act: SmallAct | None = _triton_small_act() if small_rows > 0 else None
+        # Graphs of at most `pdl_rows` rows launch the Triton kernels and tinygemm with programmatic
+        # dependent launch (pdl.py); at most `gemm_rows` rows, their GEMMs run as flashinfer's tinygemm.
+        self.pdl_rows = pdl_rows
+        self.gemm_rows = gemm_rows
+        self._small_gemm: SmallGemm | None = _tinygemm() if gemm_rows > 0 else None
         self._in_graphs = False
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -64,7 +76,7 @@ class FusedKernels:
         """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split)."""
         if self._small(x):
             assert self._small_norm is not None
-            return self._small_norm(x, None, weight, eps, gemma=gemma)
+            return self._small_norm(x, None, weight, eps, gemma=gemma, pdl=self.uses_pdl(x))
         # PDL is left off: it only shaves launch latency, and graph capture stays the plain kind.
         if not gemma:
             return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
@@ -78,7 +90,8 @@ class FusedKernels:
         """residual += delta, then delta = norm(residual), both in place: (normed, residual)."""
         if self._small(delta):
             assert self._small_norm is not None
-            return self._small_norm(delta, residual, weight, eps, gemma=gemma), residual
+            normed = self._small_norm(delta, residual, weight, eps, gemma=gemma, pdl=self.uses_pdl(delta))
+            return normed, residual
         if gemma:
             self._norm.gemma_fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
         else:
@@ -89,9 +102,34 @@ class FusedKernels:
         return (
             self._in_graphs
             and self._small_norm is not None
+            and self._small_act is not None
             and x.dim() == 2
             and x.shape[0] <= self.small_rows
         )
+
+    def uses_pdl(self, x: torch.Tensor) -> bool:
+        """Whether a graph's kernel over x's rows launches with PDL (only the Triton kernels and tinygemm)."""
+        return self._in_graphs and x.shape[0] <= self.pdl_rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear; in graphs of at most `gemm_rows` rows, flashinfer's tinygemm where its shapes allow
+        (bf16, out features a multiple of 16, in features of 64). It streams the weight through TMA, and
+        with PDL it starts reading it while the kernel before it still runs."""
+        rows, n = x.shape[0] if x.dim() == 2 else -1, weight.shape[0]
+        if (
+            self._small_gemm is None
+            or not self._in_graphs
+            or not 0 < rows <= self.gemm_rows
+            or x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or n % 16
+            or weight.shape[1] % 64
+            or not (x.is_contiguous() and weight.is_contiguous())
+        ):
+            return torch.nn.functional.linear(x, weight, bias)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        self._small_gemm(x, weight, out, bias, use_pdl=self.uses_pdl(x))
+        return out
 
     @contextlib.contextmanager
     def graph_capture(self) -> Iterator[None]:
@@ -107,6 +145,9 @@ class FusedKernels:
 
         The torch reference rounds act(gate) to bf16 before the product; this rounds once, in float32.
         """
+        if not gelu and self._small(x):
+            assert self._small_act is not None
+            return self._small_act(x, pdl=self.uses_pdl(x))
         act = self._activation.gelu_tanh_and_mul if gelu else self._activation.silu_and_mul
         return act(x, enable_pdl=False)  # type: ignore[no-any-return]
 
@@ -168,6 +209,22 @@ def _triton_small_norm() -> SmallNorm | None:
     except ImportError:
         return None
     return add_rmsnorm
+
+
+def _triton_small_act() -> SmallAct | None:
+    try:
+        from tandem.engine.layers.triton_act import silu_and_mul
+    except ImportError:
+        return None
+    return silu_and_mul
+
+
+def _tinygemm() -> SmallGemm | None:
+    try:
+        from flashinfer.gemm import tinygemm_bf16
+    except ImportError:
+        return None
+    return tinygemm_bf16  # type: ignore[no-any-return]
 
 
 def _triton_race_sample() -> RaceSample | None:

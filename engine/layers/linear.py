@@ -6,7 +6,7 @@ slice of each checkpoint tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.layers.source import TensorSource, check_shape
+
+# (x, weight, bias or None) -> x weight^T (+ bias): F.linear, or FusedKernels.linear on CUDA.
+MatMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,10 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        matmul: MatMul = F.linear,
     ) -> None:
         super().__init__()
+        self.matmul = matmul
         self.in_features = in_features
         self.shards = tuple(shards)
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
@@ -77,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         target.data[offset : offset + shard.size].copy_(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -92,8 +97,10 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        matmul: MatMul = F.linear,
     ) -> None:
         super().__init__()
+        self.matmul = matmul
         self.tp = tp
         self.out_features = out_features
         self.in_start, self.in_size = tp.shard(in_features)
@@ -114,4 +121,4 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(self.matmul(x, self.weight, bias))

@@ -17,6 +17,7 @@ from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbeddin
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.linear import (
     ColumnParallelLinear,
+    MatMul,
     RowParallelLinear,
     even_shard,
     head_shard,
@@ -64,6 +65,7 @@ class Build:
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
+        self.matmul: MatMul = kernels.linear if kernels is not None else F.linear
 
     def norm(self, size: int) -> RMSNorm:
         cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
@@ -82,9 +84,16 @@ class Attention(nn.Module):
             bias=c.attention_bias,
             dtype=b.dtype,
             device=b.device,
+            matmul=b.matmul,
         )
         self.o_proj = RowParallelLinear(
-            c.num_heads * c.head_dim, c.hidden_size, tp, bias=False, dtype=b.dtype, device=b.device
+            c.num_heads * c.head_dim,
+            c.hidden_size,
+            tp,
+            bias=False,
+            dtype=b.dtype,
+            device=b.device,
+            matmul=b.matmul,
         )
         self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
         self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
@@ -198,6 +207,7 @@ class Attention(nn.Module):
             page_size=fused.page_size,
             splits=fused.splits,
             block_n=fused.block_n,
+            pdl=self.kernels.uses_pdl(merged),
         )
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
@@ -224,10 +234,16 @@ class MLP(nn.Module):
         c = b.config
         shard = even_shard(c.intermediate_size, b.tp)
         self.gate_up_proj = ColumnParallelLinear(
-            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device
+            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device, matmul=b.matmul
         )
         self.down_proj = RowParallelLinear(
-            c.intermediate_size, c.hidden_size, b.tp, bias=False, dtype=b.dtype, device=b.device
+            c.intermediate_size,
+            c.hidden_size,
+            b.tp,
+            bias=False,
+            dtype=b.dtype,
+            device=b.device,
+            matmul=b.matmul,
         )
         self.gelu = c.hidden_act.startswith("gelu")
         self.kernels = b.kernels

@@ -2,7 +2,8 @@
 in Triton's CPU interpreter: q/k norms (plain and Gemma) or none, the rope at each row's position, the new
 K/V written at its slot, attention over the row's earlier paged tokens plus the new one, GQA groups that are
 and are not a power of two, rows with no earlier token or fewer blocks than splits, partial last pages, and
-a second launch, with the K/V loaded one block ahead (the PDL form), that finds the tickets back at zero. The interpreter runs programs one after another, so
+a second launch, with the K/V loaded one block ahead (the PDL form), that finds the tickets back at
+zero. The interpreter runs programs one after another, so
 it checks the math, not the tickets' ordering under real concurrency (tests/gpu does that).
 
 Skips where Triton is not installed (CI).
