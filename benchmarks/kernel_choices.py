@@ -321,7 +321,7 @@ def main() -> None:
     section("gemm", gemm_rows, LLAMA, gemm_batches, bandwidth, gemm_libs)
     if not args.quick:
         section("gemm", gemm_rows, QWEN, [64, 256], bandwidth, gemm_libs)
-    for bs in (1, 2, 4, 8, 32):
+    for bs in (1, 4, 8):
         section("chain", chain_rows, LLAMA, bs)
     section("sampling", sampling_rows, 128256, [1, 64])
     section("sampling", sampling_rows, 151936, [256])

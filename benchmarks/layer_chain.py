@@ -32,7 +32,6 @@ class Variant:
     triton_act: bool
     tiny: frozenset[str]  # the GEMMs run by tinygemm: qkv, o, gate_up, down
     pdl: bool
-    preload: bool | None = None  # the attention's K/V one block ahead; None: as `pdl`
 
 
 ALL = frozenset({"qkv", "o", "gate_up", "down"})
@@ -41,13 +40,9 @@ VARIANTS = [
     Variant("engine", False, frozenset(), False),  # what the engine ran before this part
     Variant("triton-act", True, frozenset(), False),
     Variant("pdl", True, frozenset(), True),
-    Variant("pdl-no-preload", True, frozenset(), True, False),
     Variant("tiny-od", True, OD, False),
     Variant("pdl-tiny-od", True, OD, True),
-    Variant("tiny-all", True, ALL, False),
     Variant("pdl-tiny-all", True, ALL, True),
-    Variant("tiny-all-preload", True, ALL, False, True),
-    Variant("pdl-tiny-all-no-preload", True, ALL, True, False),
 ]
 
 
@@ -157,7 +152,6 @@ class _Chain:
             splits=self.splits,
             block_n=self.block_n,
             pdl=v.pdl,
-            preload=v.preload,
         )
         x = add_rmsnorm(gemm("o", attn, o_w), self.residual, self.norm_w[1], 1e-5, gemma=False, pdl=v.pdl)
         merged = gemm("gate_up", x, gu_w)

@@ -16,6 +16,7 @@ Never construct this on CPU: it imports flashinfer.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch
 
 from tandem.engine.config import RopeConfig
 from tandem.engine.sampler import RaceSample
+
+logger = logging.getLogger(__name__)
 
 # qk_norm_rope.qk_norm_rope: (qkv, positions, q_weight, k_weight, table, *, num_heads, num_kv_heads, eps,
 # gemma) -> (q [T, H, D], k [T, Hkv, D]), both contiguous.
@@ -69,6 +72,8 @@ class FusedKernels:
         self.pdl_rows = pdl_rows
         self.gemm_rows = gemm_rows
         self._small_gemm: SmallGemm | None = _tinygemm() if gemm_rows > 0 else None
+        self._gemm_works: dict[tuple[int, int, int, bool], bool] = {}
+        self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._in_graphs = False
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
@@ -112,14 +117,19 @@ class FusedKernels:
         return self._in_graphs and x.shape[0] <= self.pdl_rows
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear; in graphs of at most `gemm_rows` rows, flashinfer's tinygemm where its shapes allow
-        (bf16, out features a multiple of 16, in features of 64). It streams the weight through TMA, and
-        with PDL it starts reading it while the kernel before it still runs."""
+        """F.linear; in graphs of at most `gemm_rows` rows, flashinfer's tinygemm where it wins.
+
+        tinygemm runs one 16-feature CTA per SM and streams the weight through TMA; with PDL it starts
+        reading it while the kernel before it still runs, and it needs no split-K reduction. On an H200
+        it beat cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs),
+        and lost where they make three or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json).
+        Its shapes: bf16, out features a multiple of 16, in features of 64."""
         rows, n = x.shape[0] if x.dim() == 2 else -1, weight.shape[0]
         if (
             self._small_gemm is None
             or not self._in_graphs
             or not 0 < rows <= self.gemm_rows
+            or not self._sms <= n // 16 <= 2 * self._sms
             or x.dtype != torch.bfloat16
             or weight.dtype != torch.bfloat16
             or n % 16
@@ -127,9 +137,36 @@ class FusedKernels:
             or not (x.is_contiguous() and weight.is_contiguous())
         ):
             return torch.nn.functional.linear(x, weight, bias)
+        key = (rows, n, weight.shape[1], bias is not None)
+        works = self._gemm_works.get(key)
+        if works is None and not torch.cuda.is_current_stream_capturing():
+            works = self._gemm_works[key] = self._probe_gemm(x, weight, bias)
+        if not works:  # unprobed during a capture (never in the engine: warm-up runs first) or failed
+            return torch.nn.functional.linear(x, weight, bias)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         self._small_gemm(x, weight, out, bias, use_pdl=self.uses_pdl(x))
         return out
+
+    def tinygemm_shapes(self) -> dict[tuple[int, int, int, bool], bool]:
+        """(rows, out features, in features, bias) -> whether tinygemm serves it, for each shape probed."""
+        return dict(self._gemm_works)
+
+    def _probe_gemm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """One eager tinygemm call of this shape (the graphs' warm-up makes it): False, with a warning,
+        where it fails, e.g. a flashinfer install whose generated kernels for this shape lack sources."""
+        assert self._small_gemm is not None
+        try:
+            self._small_gemm(
+                x,
+                weight,
+                torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device),
+                bias,
+                use_pdl=False,
+            )
+        except Exception as exc:  # a build or launch failure: cuBLAS serves this shape instead
+            logger.warning("tinygemm off for %s x %s: %r", tuple(x.shape), tuple(weight.shape), exc)
+            return False
+        return True
 
     @contextlib.contextmanager
     def graph_capture(self) -> Iterator[None]:

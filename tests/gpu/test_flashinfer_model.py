@@ -63,6 +63,8 @@ def engines(request: pytest.FixtureRequest, gpu_model_dir: Callable[[str], Path]
             cuda_graph_max_bs=8,
             piecewise_max_tokens=256,
             fused_decode_max_bs=8,
+            pdl_max_bs=8,  # the small graphs' Triton kernels (and any tinygemm) with PDL
+            small_gemm_max_bs=8,
         ),
         # ...and flashinfer's decode here.
         "graphs-flashinfer-decode": build(

@@ -1,0 +1,75 @@
+"""Issue 6: the kernels of small decode graphs chained as the engine chains them, inside a CUDA graph, with
+programmatic dependent launch: the Triton add + RMS norm, flashinfer's tinygemm in place of cuBLAS (the
+o/down shape of Llama-3.1-8B, where FusedKernels picks it), and the Triton SiLU-and-multiply. Against the
+same chain in float32 torch ops, then over many replays: a kernel that read its input before the kernel
+writing it finished (a wrong PDL wait) would change the output from one replay to the next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HIDDEN = 4096  # 256 tinygemm CTAs: the one-to-two-wave shape FusedKernels gives to tinygemm on an H200
+LINKS = 12  # chain links per graph: each reads what the one before it wrote
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_pdl_chain_matches_float32_and_replays(rows: int) -> None:
+    from tandem.engine.layers.fused import FusedKernels
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL and tinygemm need compute capability 9.0")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not sms <= HIDDEN // 16 <= 2 * sms:
+        pytest.skip("tinygemm is not picked for this shape on this GPU's SM count")
+    kernels = FusedKernels(16, small_rows=8, pdl_rows=8, gemm_rows=8)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    weight = torch.randn(HIDDEN, HIDDEN, device="cuda", generator=g).bfloat16() * HIDDEN**-0.5
+    norm_w = (torch.rand(HIDDEN, device="cuda", generator=g) + 0.5).bfloat16()
+    start = torch.randn(rows, HIDDEN, device="cuda", generator=g).bfloat16()
+    residual_start = torch.randn_like(start)
+
+    def chain(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        for _ in range(LINKS):
+            normed, residual = kernels.add_rmsnorm(x, residual, norm_w, 1e-6, gemma=False)
+            merged = kernels.linear(normed, weight)  # [rows, HIDDEN] as gate | up halves
+            x = kernels.linear(F.pad(kernels.act_and_mul(merged, gelu=False), (0, HIDDEN // 2)), weight)
+        return x
+
+    def reference() -> torch.Tensor:
+        x, residual = start.float(), residual_start.float()
+        for _ in range(LINKS):
+            residual = residual + x
+            normed = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float()
+            gate, up = (normed @ weight.float().T).chunk(2, -1)
+            x = F.pad(F.silu(gate) * up, (0, HIDDEN // 2)) @ weight.float().T
+        return x
+
+    x, residual = start.clone(), residual_start.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with kernels.graph_capture(), torch.cuda.stream(stream):
+        eager = chain(x, residual).clone()  # the warm-up: probes tinygemm's shapes
+        assert kernels.uses_pdl(x)
+        assert kernels.tinygemm_shapes() == {(rows, HIDDEN, HIDDEN, False): True}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            x.copy_(start)
+            residual.copy_(residual_start)
+            out = chain(x, residual)
+    torch.cuda.current_stream().wait_stream(stream)
+    truth = reference()
+    scale = float(truth.pow(2).mean().sqrt())
+    assert float((eager.float() - truth).abs().max()) < 0.1 * scale
+    graph.replay()
+    first = out.clone()
+    assert torch.equal(first, eager)
+    for _ in range(30):
+        graph.replay()
+        assert torch.equal(out, first)
