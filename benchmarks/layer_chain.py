@@ -2,8 +2,8 @@
 attention, o, norm, gate/up, activation, down) as a chain of kernels in a CUDA graph, with the kernel
 choices that only pay together:
 - the Triton activation (engine/layers/triton_act.py) in place of flashinfer's;
-- flashinfer's tinygemm (a small-M GEMM that streams its weights through TMA) in place of cuBLAS, for some
-  or all four GEMMs;
+- flashinfer's reference tinygemm2 kernel (a small-M GEMM that streams its weights through TMA; the one
+  FusedKernels calls) in place of cuBLAS, for some or all four GEMMs;
 - programmatic dependent launch (engine/layers/pdl.py): each kernel lets the next start at once, and
   tinygemm loads its weights before it waits for its input, so the weight stream of a GEMM overlaps the
   small kernel before it.
@@ -119,16 +119,19 @@ class _Chain:
         import flashinfer
 
         from tandem.engine.attention.triton_decode import decode_rope_attention
+        from tandem.engine.layers.fused import tinygemm2
         from tandem.engine.layers.triton_act import silu_and_mul
         from tandem.engine.layers.triton_norm import add_rmsnorm
 
         qkv_w, o_w, gu_w, d_w = self.weights[j % self.layers]
+        tiny = tinygemm2()
 
         def gemm(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             if name not in v.tiny:
                 return F.linear(x, weight)
             out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-            flashinfer.gemm.tinygemm_bf16(x, weight, out, None, use_pdl=v.pdl)
+            assert tiny is not None
+            tiny(x, weight, out, None, v.pdl)
             return out
 
         x = add_rmsnorm(self.delta, self.residual, self.norm_w[0], 1e-5, gemma=False, pdl=v.pdl)

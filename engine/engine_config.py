@@ -18,9 +18,9 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 # Decode graphs of up to this many rows take the one-launch decode by default (see EngineConfig).
 FUSED_DECODE_MAX_BS = 32
 # Graphs of up to this many rows launch their Triton kernels with PDL by default (see EngineConfig).
-PDL_MAX_BS = 0
+PDL_MAX_BS = 8
 # Graphs' GEMMs of up to this many rows run as flashinfer's tinygemm by default (see EngineConfig).
-SMALL_GEMM_MAX_BS = 0
+SMALL_GEMM_MAX_BS = 8
 
 
 @dataclass(frozen=True)

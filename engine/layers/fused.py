@@ -36,7 +36,7 @@ SmallNorm = Callable[..., torch.Tensor]
 DecodeRopeAttention = Callable[..., torch.Tensor]
 # triton_act.silu_and_mul: (x [T, 2N], *, pdl) -> silu(gate) * up [T, N].
 SmallAct = Callable[..., torch.Tensor]
-# flashinfer.gemm.tinygemm_bf16: (x, weight, out, bias, use_pdl) -> None, out = x weight^T (+ bias).
+# flashinfer's tinygemm2: (x, weight, out, bias or None, use_pdl) -> None, out = x weight^T (+ bias).
 SmallGemm = Callable[..., None]
 
 
@@ -71,7 +71,7 @@ class FusedKernels:
         # dependent launch (pdl.py); at most `gemm_rows` rows, their GEMMs run as flashinfer's tinygemm.
         self.pdl_rows = pdl_rows
         self.gemm_rows = gemm_rows
-        self._small_gemm: SmallGemm | None = _tinygemm() if gemm_rows > 0 else None
+        self._small_gemm: SmallGemm | None = tinygemm2() if gemm_rows > 0 else None
         self._gemm_works: dict[tuple[int, int, int, bool], bool] = {}
         self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._in_graphs = False
@@ -256,12 +256,25 @@ def _triton_small_act() -> SmallAct | None:
     return silu_and_mul
 
 
-def _tinygemm() -> SmallGemm | None:
+def tinygemm2() -> SmallGemm | None:
+    """flashinfer's reference tinygemm2 kernel, the one measured (kernel-choices-chain.json): called
+    through its module rather than `flashinfer.gemm.tinygemm_bf16`, which on Hopper hands some shapes
+    (Llama-3.1-8B's o and down among them) to generated per-shape programs instead. Built on first use."""
     try:
-        from flashinfer.gemm import tinygemm_bf16
+        from flashinfer.gemm.routergemm import get_tinygemm2_module
     except ImportError:
         return None
-    return tinygemm_bf16  # type: ignore[no-any-return]
+
+    def run(
+        x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, use_pdl: bool
+    ) -> None:
+        module = get_tinygemm2_module()  # cached by flashinfer after the first call
+        if bias is None:
+            module.tinygemm2_nobias_op(x, weight, out, use_pdl)
+        else:
+            module.tinygemm2_op(x, weight, bias, out, use_pdl)
+
+    return run
 
 
 def _triton_race_sample() -> RaceSample | None:

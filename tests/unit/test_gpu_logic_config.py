@@ -27,6 +27,9 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
     # The one-launch decode lives in decode graphs: off wherever they are, whatever was asked.
     assert switches["fused_decode_max_bs"] == 0
     assert resolve_engine_config(tmp_path, device="cpu", fused_decode_max_bs=8).fused_decode_max_bs == 0
+    # So are PDL and tinygemm, which live in CUDA graphs too.
+    on = resolve_engine_config(tmp_path, device="cpu", pdl_max_bs=8, small_gemm_max_bs=8).switches()
+    assert on["pdl_max_bs"] == 0 and on["small_gemm_max_bs"] == 0
 
 
 @pytest.mark.parametrize(
@@ -38,6 +41,8 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
         ({"piecewise_max_tokens": -1}, "piecewise_max_tokens"),
         ({"fused_decode_max_bs": -1}, "fused_decode_max_bs"),
         ({"fused_decode_max_bs": 2.5}, "fused_decode_max_bs"),
+        ({"pdl_max_bs": -1}, "pdl_max_bs"),
+        ({"small_gemm_max_bs": True}, "small_gemm_max_bs"),
     ],
 )
 def test_bad_switches_fail_at_the_edge(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
@@ -52,6 +57,10 @@ def test_runtime_options_validate_graph_sizes() -> None:
     with pytest.raises(ValueError, match="fused_decode_max_bs"):
         RuntimeOptions(fused_decode_max_bs=-1).validate()
     RuntimeOptions(fused_decode_max_bs=0).validate()
+    for name in ("pdl_max_bs", "small_gemm_max_bs"):
+        with pytest.raises(ValueError, match=name):
+            RuntimeOptions(**{name: -1}).validate()  # type: ignore[arg-type]
+        RuntimeOptions(**{name: 0}).validate()  # type: ignore[arg-type]
 
 
 def test_flashinfer_is_never_imported_on_the_cpu_path() -> None:
