@@ -18,6 +18,7 @@ from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.linear import (
     ColumnParallelLinear,
     MatMul,
+    OutputShard,
     RowParallelLinear,
     even_shard,
     head_shard,
@@ -67,6 +68,23 @@ class Build:
         self.kernels = kernels
         self.matmul: MatMul = kernels.linear if kernels is not None else F.linear
 
+    def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
+        return ColumnParallelLinear(
+            in_features, shards, bias=bias, dtype=self.dtype, device=self.device, matmul=self.matmul
+        )
+
+    def row(self, in_features: int, out_features: int) -> RowParallelLinear:
+        """Without a bias: no model here has one on its o or down projection."""
+        return RowParallelLinear(
+            in_features,
+            out_features,
+            self.tp,
+            bias=False,
+            dtype=self.dtype,
+            device=self.device,
+            matmul=self.matmul,
+        )
+
     def norm(self, size: int) -> RMSNorm:
         cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
         return cls(size, self.config.rms_norm_eps, dtype=self.dtype, device=self.device, kernels=self.kernels)
@@ -78,23 +96,8 @@ class Attention(nn.Module):
         c, tp = b.config, b.tp
         q_shard = head_shard(c.num_heads, c.head_dim, tp)
         kv_shard = head_shard(c.num_kv_heads, c.head_dim, tp)
-        self.qkv_proj = ColumnParallelLinear(
-            c.hidden_size,
-            [q_shard, kv_shard, kv_shard],
-            bias=c.attention_bias,
-            dtype=b.dtype,
-            device=b.device,
-            matmul=b.matmul,
-        )
-        self.o_proj = RowParallelLinear(
-            c.num_heads * c.head_dim,
-            c.hidden_size,
-            tp,
-            bias=False,
-            dtype=b.dtype,
-            device=b.device,
-            matmul=b.matmul,
-        )
+        self.qkv_proj = b.column(c.hidden_size, [q_shard, kv_shard, kv_shard], bias=c.attention_bias)
+        self.o_proj = b.row(c.num_heads * c.head_dim, c.hidden_size)
         self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
         self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
         window = c.window_of(layer_id)
@@ -233,18 +236,8 @@ class MLP(nn.Module):
         super().__init__()
         c = b.config
         shard = even_shard(c.intermediate_size, b.tp)
-        self.gate_up_proj = ColumnParallelLinear(
-            c.hidden_size, [shard, shard], bias=False, dtype=b.dtype, device=b.device, matmul=b.matmul
-        )
-        self.down_proj = RowParallelLinear(
-            c.intermediate_size,
-            c.hidden_size,
-            b.tp,
-            bias=False,
-            dtype=b.dtype,
-            device=b.device,
-            matmul=b.matmul,
-        )
+        self.gate_up_proj = b.column(c.hidden_size, [shard, shard], bias=False)
+        self.down_proj = b.row(c.intermediate_size, c.hidden_size)
         self.gelu = c.hidden_act.startswith("gelu")
         self.kernels = b.kernels
 
