@@ -171,6 +171,8 @@ def resolve_engine_config(
     if num_pages is None and not on_gpu:
         num_pages = max(1, kv_tokens_cpu // resolved_page)
     graphs = cuda_graph and on_gpu and backend == "flashinfer"
+    # PDL's grid-dependency instructions and tinygemm's TMA loads need Hopper (compute capability 9.0).
+    hopper = graphs and torch.cuda.get_device_capability(dev)[0] >= 9
     fused = fused_kernels and backend == "flashinfer"
     return EngineConfig(
         model_dir=model_dir,
@@ -190,7 +192,8 @@ def resolve_engine_config(
         piecewise_max_tokens=piecewise_max_tokens,
         # The one-launch decode lives inside decode graphs and is one of the fused kernels.
         fused_decode_max_bs=fused_decode_max_bs if graphs and fused else 0,
-        # Both live inside CUDA graphs, with the fused kernels; PDL only for the Triton kernels' rows.
-        pdl_max_bs=min(pdl_max_bs, fused_decode_max_bs) if graphs and fused else 0,
-        small_gemm_max_bs=small_gemm_max_bs if graphs and fused else 0,
+        # Both live inside CUDA graphs, with the fused kernels, on Hopper and later; PDL only for the
+        # Triton kernels' rows.
+        pdl_max_bs=min(pdl_max_bs, fused_decode_max_bs) if hopper and fused else 0,
+        small_gemm_max_bs=small_gemm_max_bs if hopper and fused else 0,
     )
