@@ -11,34 +11,42 @@ import functools
 from typing import Any
 
 import torch
+import triton
 
 from tandem.benchmarks.common import graph_us
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 
-# (splits, block_n, num_warps); 0: the engine's own pick (launch_config)
-VARIANTS = [(0, 0, 4), (0, 32, 4), (0, 64, 4), (1, 64, 4), (2, 64, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4)]
+# (splits, block_n, num_warps, chunk); splits or block_n 0: the engine's own pick (launch_config); chunk 0:
+# equal shares of each row, else tokens per split (splits then enough for the longest row)
+VARIANTS = [(0, 0, 4, 0), (0, 32, 4, 0), (0, 64, 4, 0), (1, 64, 4, 0), (2, 64, 4, 0), (4, 64, 4, 0)]
+VARIANTS += [(8, 64, 4, 0), (16, 32, 4, 0), (0, 64, 4, 256), (0, 64, 4, 512)]
 
 
-def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> list[dict[str, Any]]:
+def decode_fused_rows(
+    shape: dict[str, Any], bs: int, ctx: int, layers: int, lens: list[int] | None = None
+) -> list[dict[str, Any]]:
+    """`lens`: each row's tokens (then `ctx` is their maximum), for the uneven rows of an offline run."""
     import flashinfer
 
     from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, launch_config
     from tandem.engine.layers.qk_norm_rope import qk_norm_rope
 
     heads, kvh = shape["heads"], shape["kv_heads"]
-    case = PagedCase(kvh, bs, ctx, layers)
+    case = PagedCase(kvh, bs, ctx, layers, lens)
+    lengths = torch.tensor(case.lens, device="cuda")
     qkv = torch.randn(bs, (heads + 2 * kvh) * HEAD_DIM, dtype=BF16, device="cuda")
-    positions = torch.full((bs,), ctx - 1, dtype=torch.int64, device="cuda")
+    positions = lengths - 1
     inv = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda").float() / HEAD_DIM))
     freqs = torch.arange(ctx, device="cuda").float()[:, None] * inv[None, :]
     table = torch.cat((freqs.cos(), freqs.sin()), -1).contiguous()
-    per_row = -(-ctx // PAGE)
-    last_page = case.indices[case.indptr[:-1].long() + per_row - 1].long()
-    slots = (last_page * PAGE + (ctx - 1) % PAGE).to(torch.int32)
-    old = torch.full((bs,), ctx - 1, dtype=torch.int32, device="cuda")
+    last_page = case.indices[case.indptr[1:].long() - 1].long()
+    slots = (last_page * PAGE + (lengths - 1) % PAGE).to(torch.int32)
+    old = (lengths - 1).to(torch.int32)
     flat = [(k.view(-1, kvh, HEAD_DIM), v.view(-1, kvh, HEAD_DIM)) for k, v in case.caches]
     scale = HEAD_DIM**-0.5
     row: dict[str, Any] = {"part": "decode_fused", "model": shape["name"], "bs": bs, "ctx": ctx}
+    if lens is not None:
+        row["ctx"] = f"{min(lens)}-{max(lens)}"
 
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -80,9 +88,11 @@ def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> 
         max_bs=bs, max_row_splits=bs * 32, num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, device="cuda"
     )
     fused_out = torch.empty(bs, heads * HEAD_DIM, dtype=BF16, device="cuda")
-    for splits, block_n, warps in VARIANTS:
+    for splits, block_n, warps, chunk in VARIANTS:
         n, block_n = splits or row["auto_splits"], block_n or row["auto_block_n"]
-        name = f"fused-s{n}-b{block_n}-w{warps}"
+        if chunk:
+            n = triton.next_power_of_2(-(-ctx // chunk))
+        name = f"fused-s{n}-b{block_n}-w{warps}" + (f"-c{chunk}" if chunk else "")
         if name in row:
             continue
         run = functools.partial(
@@ -106,6 +116,7 @@ def decode_fused_rows(shape: dict[str, Any], bs: int, ctx: int, layers: int) -> 
             block_n=block_n,
             num_warps=warps,
             out=fused_out,
+            chunk=chunk,
         )
         try:
             for c in flat[0]:

@@ -172,6 +172,17 @@ def kv_store_rows(shape: dict[str, Any], bs: int, layers: int) -> list[dict[str,
     return [row]
 
 
+def _context(spec: str, bs: int) -> tuple[int, list[int] | None]:
+    """A decode_fused case's context: "512" (every row), or "100-2000" (each row's length uniform in that
+    range, seeded: the uneven rows of an offline run) -> (longest row, per-row lengths or None)."""
+    if "-" not in spec:
+        return int(spec), None
+    lo, hi = (int(v) for v in spec.split("-"))
+    g = torch.Generator().manual_seed(bs)
+    lens = torch.randint(lo, hi + 1, (bs,), generator=g).tolist()
+    return max(lens), lens
+
+
 def _act_rows(model: str, inter: int, batches: list[int]) -> list[dict[str, Any]]:
     from tandem.benchmarks.act_variants import act_rows  # defines a Triton kernel: CUDA hosts only
 
@@ -260,7 +271,9 @@ def main() -> None:
     )
     parser.add_argument("--attention-variants", default="", help="names in ATTENTION_VARIANTS (default: all)")
     parser.add_argument(
-        "--fused-cases", default="", help="decode_fused part: model:batch:context,... (default: built-in)"
+        "--fused-cases",
+        default="",
+        help="decode_fused part: model:batch:context,... (context: N, or LO-HI per row; default: built-in)",
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -301,16 +314,16 @@ def main() -> None:
     only = set(args.attention_variants.split(",")) if args.attention_variants else None
     for shape, bs, ctx, layers in attention_cases:
         section("attention", attention_rows, shape, bs, ctx, layers, bandwidth, only)
-    fused_cases = [(LLAMA, b, 512) for b in (1, 2, 4, 8, 16, 32, 64)] + [(LLAMA, 1, 4096)]
-    fused_cases += [(QWEN, b, 1024) for b in (8, 32, 64)]
+    fused_cases = [(LLAMA, b, "512") for b in (1, 2, 4, 8, 16, 32, 64)] + [(LLAMA, 1, "4096")]
+    fused_cases += [(QWEN, b, "1024") for b in (8, 32, 64)] + [(QWEN, 256, "100-2000")]
     if args.fused_cases:
         by_name = {s["name"]: s for s in (LLAMA, QWEN)}
         fused_cases = [
-            (by_name[m], int(b), int(c))
-            for m, b, c in (case.split(":") for case in args.fused_cases.split(","))
+            (by_name[m], int(b), c) for m, b, c in (case.split(":") for case in args.fused_cases.split(","))
         ]
     for shape, bs, ctx in fused_cases[::3] if args.quick else fused_cases:
-        section("decode_fused", decode_fused_rows, shape, bs, ctx, 32)
+        longest, lens = _context(ctx, bs)
+        section("decode_fused", decode_fused_rows, shape, bs, longest, 32, lens)
     section("norm", norm_rows, LLAMA["name"], LLAMA["hidden"], [1, 8, 32, 64, 256])
     section("norm", norm_rows, QWEN["name"], QWEN["hidden"], [1, 64, 256])
     section("act", _act_rows, LLAMA["name"], LLAMA["inter"], [1, 8, 32])

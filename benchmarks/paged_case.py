@@ -10,22 +10,26 @@ BF16 = torch.bfloat16
 
 
 class PagedCase:
-    """bs rows of ctx tokens each over disjoint random pages, one K/V cache per layer."""
+    """bs rows over disjoint random pages, one K/V cache per layer: ctx tokens each, or `lens[b]` tokens in
+    row b (the lengths of an offline run's decode batch vary from 100 to 2,000)."""
 
-    def __init__(self, kv_heads: int, bs: int, ctx: int, layers: int) -> None:
-        per_row = -(-ctx // PAGE)
-        self.bs, self.ctx, self.kv_heads, self.layers = bs, ctx, kv_heads, layers
-        self.num_pages = bs * per_row
+    def __init__(self, kv_heads: int, bs: int, ctx: int, layers: int, lens: list[int] | None = None) -> None:
+        self.lens = lens or [ctx] * bs
+        per_row = torch.tensor([-(-n // PAGE) for n in self.lens], dtype=torch.int32)
+        self.bs, self.ctx, self.kv_heads, self.layers = bs, max(self.lens), kv_heads, layers
+        self.num_pages = int(per_row.sum())
         shape = (self.num_pages + 1, PAGE, kv_heads, HEAD_DIM)
         self.caches = [
             (torch.randn(shape, dtype=BF16, device="cuda"), torch.randn(shape, dtype=BF16, device="cuda"))
             for _ in range(layers)
         ]
-        self.indptr_cpu = (torch.arange(bs + 1, dtype=torch.int32) * per_row).pin_memory()
+        self.indptr_cpu = torch.cat((torch.zeros(1, dtype=torch.int32), per_row.cumsum(0).to(torch.int32)))
+        self.indptr_cpu = self.indptr_cpu.pin_memory()
         self.indices = torch.randperm(self.num_pages, dtype=torch.int32, device="cuda")
-        self.last_cpu = torch.full((bs,), ctx - (per_row - 1) * PAGE, dtype=torch.int32).pin_memory()
+        last = torch.tensor(self.lens, dtype=torch.int32) - (per_row - 1) * PAGE
+        self.last_cpu = last.pin_memory()
         self.indptr = self.indptr_cpu.cuda()
         self.last = self.last_cpu.cuda()
 
     def kv_bytes(self) -> int:
-        return self.bs * self.ctx * self.kv_heads * HEAD_DIM * 2 * 2
+        return sum(self.lens) * self.kv_heads * HEAD_DIM * 2 * 2
