@@ -11,15 +11,12 @@ import functools
 from typing import Any
 
 import torch
-import triton
 
 from tandem.benchmarks.common import graph_us
 from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 
-# (splits, block_n, num_warps, chunk); splits or block_n 0: the engine's own pick (launch_config); chunk 0:
-# equal shares of each row, else tokens per split (splits then enough for the longest row)
-VARIANTS = [(0, 0, 4, 0), (0, 32, 4, 0), (0, 64, 4, 0), (1, 64, 4, 0), (2, 64, 4, 0), (4, 64, 4, 0)]
-VARIANTS += [(8, 64, 4, 0), (16, 32, 4, 0), (0, 64, 4, 256), (0, 64, 4, 512)]
+# (splits, block_n, num_warps); 0: the engine's own pick (launch_config)
+VARIANTS = [(0, 0, 4), (0, 32, 4), (0, 64, 4), (1, 64, 4), (2, 64, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4)]
 
 
 def decode_fused_rows(
@@ -88,11 +85,9 @@ def decode_fused_rows(
         max_bs=bs, max_row_splits=bs * 32, num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, device="cuda"
     )
     fused_out = torch.empty(bs, heads * HEAD_DIM, dtype=BF16, device="cuda")
-    for splits, block_n, warps, chunk in VARIANTS:
+    for splits, block_n, warps in VARIANTS:
         n, block_n = splits or row["auto_splits"], block_n or row["auto_block_n"]
-        if chunk:
-            n = triton.next_power_of_2(-(-ctx // chunk))
-        name = f"fused-s{n}-b{block_n}-w{warps}" + (f"-c{chunk}" if chunk else "")
+        name = f"fused-s{n}-b{block_n}-w{warps}"
         if name in row:
             continue
         run = functools.partial(
@@ -116,7 +111,6 @@ def decode_fused_rows(
             block_n=block_n,
             num_warps=warps,
             out=fused_out,
-            chunk=chunk,
         )
         try:
             for c in flat[0]:

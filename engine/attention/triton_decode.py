@@ -124,7 +124,6 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     GROUP_PAD: tl.constexpr,  # GROUP_P2, at least 16: the tensor-core tiles' rows
     SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr,  # 0: SPLITS equal shares of a row; else shares of CHUNK tokens, as many as it needs
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -143,20 +142,12 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     cos = tl.load(table_ptr + pos * stride_table + half)
     sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)
     slot = tl.load(slot_ptr + b).to(tl.int64) * HKV + h
-    # This split's block-aligned share of the earlier tokens, and how many splits the row uses.
+    # This split's block-aligned share of the earlier tokens.
     start_page = tl.load(indptr_ptr + b)
     old = tl.load(old_ptr + b)
-    if CHUNK == 0:
-        share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
-        used = SPLITS
-        hi = tl.minimum(s * share + share, old)
-    else:
-        # A short row leaves its later splits idle (they take no ticket); a row longer than SPLITS chunks
-        # leaves the rest to its last split.
-        share = CHUNK
-        used = tl.minimum(tl.maximum(tl.cdiv(old, CHUNK), 1), SPLITS)
-        hi = tl.where(s == SPLITS - 1, old, tl.minimum(s * share + share, old))
+    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
     lo = s * share
+    hi = tl.minimum(lo + share, old)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -197,7 +188,7 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
         out = acc / total[:, None]
         dst = out_ptr + (b * HQ + h * GROUP + g)[:, None] * D + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
-    elif s < used:
+    else:
         # An empty split (a short row) weighs nothing in the merge.
         seen = total > 0
         lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
@@ -209,14 +200,10 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
         # Every thread's partial stores come before the ticket (the barrier), the ticket releases them.
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + b * HKV + h, 1, sem="acq_rel")
-        if ticket == used - 1:
+        if ticket == SPLITS - 1:
             splits = tl.arange(0, SPLITS)
-            live = splits < used
             lses = tl.load(
-                part_lse_ptr + (base + splits)[:, None] * GROUP_P2 + gp[None, :],
-                mask=live[:, None],
-                other=float("-inf"),
-                cache_modifier=".cg",
+                part_lse_ptr + (base + splits)[:, None] * GROUP_P2 + gp[None, :], cache_modifier=".cg"
             )
             top = tl.max(lses, axis=0)  # split 0 always saw the new token
             weights = tl.exp2(lses - top[None, :])  # [SPLITS, GROUP_P2]
@@ -224,8 +211,6 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
                 part_o_ptr
                 + ((base + splits)[:, None, None] * GROUP_P2 + gp[None, :, None]) * D
                 + d[None, None, :],
-                mask=live[:, None, None],
-                other=0.0,
                 cache_modifier=".cg",
             )
             merged = tl.sum(weights[:, :, None] * parts, axis=0) / tl.sum(weights, axis=0)[:, None]
@@ -300,7 +285,6 @@ def decode_rope_attention(
     num_warps: int = 4,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    chunk: int = 0,
 ) -> torch.Tensor:
     """One decode token per row: qkv [B, (H + 2 Hkv) * D] (the merged projection, before norms and rope)
     -> attention output [B, H * D].
@@ -308,12 +292,6 @@ def decode_rope_attention(
     `caches` (k, v) are [num_slots, Hkv, D] views of the paged pool; `pages` (indptr [B + 1], indices) list
     each row's pages; `old_lens` [B] counts each row's tokens before the new one; `slots` [B] is the new
     token's flat slot. Without `q_weight` and `k_weight` there are no norms.
-
-    `chunk` 0 splits each row's earlier tokens into `splits` equal shares. Otherwise each split takes
-    `chunk` tokens (a multiple of `block_n`) and a row uses only as many splits as it needs, up to `splits`
-    (the last takes whatever is left): rows of very different lengths then get work in proportion to their
-    length. A candidate for large decode graphs (kernel_choices.py's `decode_fused` part), not yet used by
-    the engine.
 
     `pdl`: a programmatic dependent launch (engine/layers/pdl.py): each program reads the positions, page
     lists and lengths before it waits for the q/k/v projection. (Loading its first block of K/V before the
@@ -328,8 +306,6 @@ def decode_rope_attention(
         raise ValueError("needs whole query groups and a power-of-two split count")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("give both q/k norm weights or neither")
-    if chunk < 0 or chunk % block_n:
-        raise ValueError(f"chunk must be 0 or a positive multiple of block_n={block_n}, got {chunk}")
     k_cache, v_cache = caches
     indptr, indices = pages
     group_p2 = triton.next_power_of_2(group)
@@ -368,7 +344,6 @@ def decode_rope_attention(
         GROUP_PAD=max(MIN_GROUP_ROWS, group_p2),
         SPLITS=splits,
         BLOCK_N=block_n,
-        CHUNK=chunk,
         NORM=norm,
         GEMMA=gemma,
         num_warps=num_warps,

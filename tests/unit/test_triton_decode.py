@@ -1,8 +1,7 @@
 """The one-launch small-batch decode (engine/attention/triton_decode.py) against a torch reference, in float32
 in Triton's CPU interpreter: q/k norms (plain and Gemma) or none, the rope at each row's position, the new
 K/V written at its slot, attention over the row's earlier paged tokens plus the new one, GQA groups that are
-and are not a power of two, rows with no earlier token or fewer blocks than splits, partial last pages, fixed
-chunks of tokens per split (rows using some of the splits, and one longer than all of them), and
+and are not a power of two, rows with no earlier token or fewer blocks than splits, partial last pages, and
 a second launch that finds the tickets back at zero. The interpreter runs programs one after another, so
 it checks the math, not the tickets' ordering under real concurrency (tests/gpu does that).
 
@@ -14,15 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# (heads, kv heads, head_dim, page size, splits, block_n, norm ("", "plain", "gemma"), earlier tokens per row,
-# chunk: 0 for equal shares, else tokens per split)
+# (heads, kv heads, head_dim, page size, splits, block_n, norm ("", "plain", "gemma"), earlier tokens per row)
 CASES = [
-    (8, 2, 32, 4, 4, 16, "", [13, 0, 40], 0),
-    (6, 2, 32, 8, 8, 16, "plain", [5, 70], 0),
-    (4, 4, 32, 4, 2, 32, "gemma", [63, 9, 17, 1], 0),
-    (4, 1, 32, 8, 1, 16, "", [33, 2], 0),
-    # Rows that use 1, 1, 3 and 4 of the 4 splits, and one of 110 tokens whose last split takes the rest.
-    (8, 2, 32, 4, 4, 16, "plain", [13, 0, 40, 64, 110], 16),
+    (8, 2, 32, 4, 4, 16, "", [13, 0, 40]),
+    (6, 2, 32, 8, 8, 16, "plain", [5, 70]),
+    (4, 4, 32, 4, 2, 32, "gemma", [63, 9, 17, 1]),
+    (4, 1, 32, 8, 1, 16, "", [33, 2]),
 ]
 SCRIPT = """
 import json, sys, torch
@@ -38,7 +34,7 @@ def rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 results = []
-for h, kvh, d, page, splits, block_n, norm, old, chunk in json.loads(sys.argv[1]):
+for h, kvh, d, page, splits, block_n, norm, old in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(h * 100 + splits)
     rows = len(old)
     per_row = [c // page + 1 for c in old]  # earlier tokens plus the new one
@@ -69,7 +65,7 @@ for h, kvh, d, page, splits, block_n, norm, old, chunk in json.loads(sys.argv[1]
             qkv, positions, qw, kw, table, (k_cache, v_cache), (indptr, indices),
             torch.tensor(old, dtype=torch.int32), slots, scratch, num_heads=h, num_kv_heads=kvh,
             eps=1e-6, gemma=norm == "gemma", scale=scale,
-            page_size=page, splits=splits, block_n=block_n, chunk=chunk,
+            page_size=page, splits=splits, block_n=block_n,
         )
         for _ in range(2)
     ]
