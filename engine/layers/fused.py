@@ -124,11 +124,11 @@ class FusedKernels:
         it beat cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs),
         and lost where they make three or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json).
         Its shapes: bf16, out features a multiple of 16, in features of 64."""
+        if not self._in_graphs or self._small_gemm is None:  # every eager GEMM: keep this path short
+            return torch.nn.functional.linear(x, weight, bias)
         rows, n = x.shape[0] if x.dim() == 2 else -1, weight.shape[0]
         if (
-            self._small_gemm is None
-            or not self._in_graphs
-            or not 0 < rows <= self.gemm_rows
+            not 0 < rows <= self.gemm_rows
             or not self._sms <= n // 16 <= 2 * self._sms
             or x.dtype != torch.bfloat16
             or weight.dtype != torch.bfloat16

@@ -66,7 +66,8 @@ class Build:
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
-        self.matmul: MatMul = kernels.linear if kernels is not None else F.linear
+        # FusedKernels.linear only where it may pick tinygemm: F.linear adds no Python call per GEMM.
+        self.matmul: MatMul = kernels.linear if kernels is not None and kernels.gemm_rows > 0 else F.linear
 
     def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(
