@@ -14,7 +14,7 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
-from tandem.engine.engine_config import EngineConfig
+from tandem.engine.engine_config import FUSED_DECODE_MAX_BS, EngineConfig
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
@@ -47,11 +47,12 @@ class Engine:
         self.streams = streams
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
-        # Small batches (up to fused_decode_max_bs rows) also take the Triton norms.
+        # Small batches (up to fused_decode_max_bs rows, at most the default's 32) also take the Triton norms
+        # and activation: measured to win up to 32 rows, not beyond (kernel_choices' norm and act parts).
         kernels = (
             FusedKernels(
                 mc.max_position_embeddings,
-                small_rows=config.fused_decode_max_bs,
+                small_rows=min(config.fused_decode_max_bs, FUSED_DECODE_MAX_BS),
                 pdl_rows=config.pdl_max_bs,
                 gemm_rows=config.small_gemm_max_bs,
             )

@@ -44,6 +44,10 @@ class FusedDecode:
     page_size: int
     splits: int
     block_n: int  # tokens per block of a program's walk over its share of the KV
+    # Above EQUAL_SHARES_MAX_BS rows (decode_work.py): int32 [2 * items + 1], rewritten by each plan, and
+    # the smallest chunk; None for equal shares of `splits`.
+    work: torch.Tensor | None = None
+    min_chunk: int = 0
 
 
 class AttentionBackend(Protocol):

@@ -18,6 +18,7 @@ import flashinfer
 import torch
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
+from tandem.engine.attention.decode_work import plan_work, work_launch
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
@@ -253,7 +254,8 @@ class FlashInferBackend:
 
     def _init_fused_decode(self, batch_sizes: list[int]) -> None:
         """The one-launch decode's buffers and launch configuration for each KV group it serves (full
-        attention, no soft-cap, a power-of-two head_dim), at graph sizes up to `fused_decode_max_bs`."""
+        attention, no soft-cap, a power-of-two head_dim), at graph sizes up to `fused_decode_max_bs`:
+        equal shares of each row up to EQUAL_SHARES_MAX_BS rows, work lists above (decode_work.py)."""
         sizes = [bs for bs in batch_sizes if bs <= self.fused_decode_max_bs]
         served = {
             gid: k
@@ -269,27 +271,34 @@ class FlashInferBackend:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         for gid, k in served.items():
             configs = {bs: launch_config(bs, k.num_kv_heads, sms) for bs in sizes}
+            works = {bs: work_launch(bs, k.num_kv_heads, sms) for bs in sizes}
+            partials = [w.items if w else bs * configs[bs][0] for bs, w in works.items()]
             scratch = DecodeScratch.allocate(
                 max_bs=max(sizes),
-                max_row_splits=max(bs * n for bs, (n, _) in configs.items()),
+                max_row_splits=max(partials),
                 num_heads=k.num_heads,
                 num_kv_heads=k.num_kv_heads,
                 head_dim=k.head_dim,
                 device=self.device,
             )
             bufs = self._graph[gid]
-            self._fused_by_size[gid] = {
-                bs: FusedDecode(
+            fused = {}
+            for bs, (splits, block_n) in configs.items():
+                work = works[bs]
+                items = 0 if work is None else 2 * work.items + 1
+                fused[bs] = FusedDecode(
                     pages=(bufs.indptr[: bs + 1], bufs.indices),
                     old_lens=bufs.coords[0, :bs],  # the new token's index in its row's listed KV
                     slots=bufs.coords[1, :bs],
                     scratch=scratch,
                     page_size=self.page_size,
                     splits=splits,
-                    block_n=block_n,
+                    block_n=work.block_n if work else block_n,
+                    # Each size's own list: a plan rewrites only its graph's.
+                    work=torch.zeros(items, dtype=torch.int32, device=self.device) if work else None,
+                    min_chunk=work.min_chunk if work else 0,
                 )
-                for bs, (splits, block_n) in configs.items()
-            }
+            self._fused_by_size[gid] = fused
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
         self._wait_previous_plan()
@@ -310,11 +319,18 @@ class FlashInferBackend:
             # Each row's new token is the last of its listed KV; padding rows' is the dummy page's first.
             slots = decode_slots(padded, indices, self.page_size)
             coords = torch.cat((padded.kv_lens - 1, slots))
-            host, dev = self._send([padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords])
+            fused = self._fused_by_size.get(gid, {}).get(graph_bs)
+            parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords]
+            if fused is not None and fused.work is not None:
+                items = (fused.work.shape[0] - 1) // 2
+                parts.append(plan_work(padded.kv_lens - 1, items, fused.block_n, fused.min_chunk))
+            host, dev = self._send(parts)
             wrapper = bufs.wrappers[graph_bs]
             # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
             self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
             bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
+            if fused is not None and fused.work is not None:
+                fused.work.copy_(dev[5])
             self._active[gid] = wrapper
             self._append[gid] = _Append(
                 bufs.rows[:graph_bs],
@@ -324,7 +340,7 @@ class FlashInferBackend:
                 bufs.last_page_len[:graph_bs],
                 bufs.coords[1, :graph_bs],
             )
-            self._fused[gid] = self._fused_by_size.get(gid, {}).get(graph_bs)
+            self._fused[gid] = fused
         self._record_plan()
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:

@@ -32,66 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.attention.triton_decode_blocks import attend_share, item_epilogue, split_epilogue
 from tandem.engine.layers.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot's smallest M: query groups are padded to it
-
-
-@triton.jit
-def _norm_rope(  # type: ignore[no-untyped-def]  # tensors and constexprs
-    x1, x2, w_ptr, cos, sin, eps, DT: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr
-):
-    """Heads' two halves (float32, [heads, D / 2]) -> rotated halves, rounded to DT (the cache's dtype)."""
-    half = tl.arange(0, D // 2)
-    if NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=-1) + tl.sum(x2 * x2, axis=-1)) / D + eps)
-        w1 = tl.load(w_ptr + half).to(tl.float32)
-        w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
-        if GEMMA:
-            w1 = w1 + 1.0
-            w2 = w2 + 1.0
-        x1 = (x1 * tl.expand_dims(rstd, -1) * w1).to(DT).to(tl.float32)  # the norm's rounding
-        x2 = (x2 * tl.expand_dims(rstd, -1) * w2).to(DT).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(DT), (x2 * cos + x1 * sin).to(DT)
-
-
-@triton.jit
-def _kv_block(  # type: ignore[no-untyped-def]  # tensors and constexprs
-    k_cache_ptr,
-    v_cache_ptr,
-    indices_ptr,
-    start_page,
-    begin,
-    hi,
-    h,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The K (two halves) and V of a row's tokens [begin, begin + BLOCK_N), zero from `hi` on."""
-    t = begin + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, D // 2)
-    valid = t < hi
-    page = tl.load(indices_ptr + start_page + t // PAGE, mask=valid, other=0).to(tl.int64)
-    rows = ((page * PAGE + t % PAGE) * HKV + h)[:, None] * D
-    kb1 = tl.load(k_cache_ptr + rows + half[None, :], mask=valid[:, None], other=0.0)
-    kb2 = tl.load(k_cache_ptr + rows + D // 2 + half[None, :], mask=valid[:, None], other=0.0)
-    vb = tl.load(v_cache_ptr + rows + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
-    return kb1, kb2, vb, valid
-
-
-@triton.jit
-def _attend(q1, q2, kb1, kb2, vb, valid, m, acc, total, qk_scale):  # type: ignore[no-untyped-def]
-    """One block of the online softmax: (m, acc, total) after the block's scores and values."""
-    scores = (tl.dot(q1, tl.trans(kb1)) + tl.dot(q2, tl.trans(kb2))) * qk_scale
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-    return m_new, acc, total * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -111,6 +56,8 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     part_lse_ptr,
     tickets_ptr,
     out_ptr,
+    work_ptr,  # WORK: int32 [rows of the items | their splits | the chunk]; else never read
+    work_stride,
     stride_qkv,
     stride_table,
     eps,
@@ -127,96 +74,86 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     PDL: tl.constexpr,
+    WORK: tl.constexpr,  # programs (KV head, work item) over a planned list; else (row, KV head, split)
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    g = tl.arange(0, GROUP_PAD)
+    if WORK:
+        h = tl.program_id(0)
+        item = tl.program_id(1)
+        b_listed = tl.load(work_ptr + item)  # -1: an idle item past the plan's list
+        s = tl.load(work_ptr + work_stride + item)
+        chunk = tl.load(work_ptr + 2 * work_stride)
+        b = tl.maximum(b_listed, 0)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
     half = tl.arange(0, D // 2)
-    d = tl.arange(0, D)
-    in_group = g < GROUP
-    row = qkv_ptr + b * stride_qkv
     # Before the wait (PDL): what was written before the graph began (positions, page lists, lengths) and
     # the rope table, never the q/k/v projection's output.
     pos = tl.load(pos_ptr + b)
     cos = tl.load(table_ptr + pos * stride_table + half)
     sin = tl.load(table_ptr + pos * stride_table + D // 2 + half)
     slot = tl.load(slot_ptr + b).to(tl.int64) * HKV + h
-    # This split's block-aligned share of the earlier tokens.
+    # This program's block-aligned share of the row's earlier tokens.
     start_page = tl.load(indptr_ptr + b)
     old = tl.load(old_ptr + b)
-    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
-    lo = s * share
-    hi = tl.minimum(lo + share, old)
+    if WORK:
+        # Chunks of `chunk` tokens, as many as the row needs (the plan listed one item for each).
+        used = tl.maximum(tl.cdiv(old, chunk), 1)
+        lo = s * chunk
+        hi = tl.minimum(lo + chunk, old)
+    else:
+        share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
+        lo = s * share
+        hi = tl.minimum(lo + share, old)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    heads = (h * GROUP + g)[:, None] * D
-    qx1 = tl.load(row + heads + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
-    qx2 = tl.load(row + heads + D // 2 + half[None, :], mask=in_group[:, None], other=0.0).to(tl.float32)
-    q1, q2 = _norm_rope(
-        qx1, qx2, qw_ptr, cos[None, :], sin[None, :], eps, k_cache_ptr.dtype.element_ty, D, NORM, GEMMA
-    )
-    k_row = row + (HQ + h) * D
-    kx1 = tl.load(k_row + half[None, :]).to(tl.float32)  # [1, D / 2]: one head, as the q block's rows
-    kx2 = tl.load(k_row + D // 2 + half[None, :]).to(tl.float32)
-    k1, k2 = _norm_rope(
-        kx1, kx2, kw_ptr, cos[None, :], sin[None, :], eps, k_cache_ptr.dtype.element_ty, D, NORM, GEMMA
-    )
-    v_new = tl.load(row + (HQ + HKV + h) * D + d[None, :])  # [1, D]
-
-    # Split 0 owns the new token: it stores its K/V and starts its softmax from it.
-    first = s == 0
-    tl.store(k_cache_ptr + slot * D + half[None, :], k1, mask=first & (half < D // 2)[None, :])
-    tl.store(k_cache_ptr + slot * D + D // 2 + half[None, :], k2, mask=first & (half < D // 2)[None, :])
-    tl.store(v_cache_ptr + slot * D + d[None, :], v_new, mask=first & (d < D)[None, :])
-    new_score = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), 1) + tl.sum(
-        q2.to(tl.float32) * k2.to(tl.float32), 1
-    )
-    m = tl.where(first, new_score * qk_scale, float("-inf"))
-    total = tl.where(first, 1.0, 0.0) + tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, D), tl.float32) + tl.where(first, v_new.to(tl.float32), 0.0)
-
-    for begin in range(lo, hi, BLOCK_N):
-        kb1, kb2, vb, valid = _kv_block(
-            k_cache_ptr, v_cache_ptr, indices_ptr, start_page, begin, hi, h, HKV, D, PAGE, BLOCK_N
-        )
-        m, acc, total = _attend(q1, q2, kb1, kb2, vb, valid, m, acc, total, qk_scale)
-
-    gp = tl.arange(0, GROUP_P2)
-    if SPLITS == 1:
-        out = acc / total[:, None]
-        dst = out_ptr + (b * HQ + h * GROUP + g)[:, None] * D + d[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    # An idle item past the plan's list does nothing after the wait; elsewhere `live` is a constant.
+    if WORK:
+        live = b_listed >= 0
     else:
-        # An empty split (a short row) weighs nothing in the merge.
-        seen = total > 0
-        lse = tl.where(seen, m + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
-        o = acc / tl.where(seen, total, 1.0)[:, None]
-        base = (b * HKV + h) * SPLITS
-        keep = g < GROUP_P2
-        tl.store(part_o_ptr + ((base + s) * GROUP_P2 + g)[:, None] * D + d[None, :], o, mask=keep[:, None])
-        tl.store(part_lse_ptr + (base + s) * GROUP_P2 + g, lse, mask=keep)
-        # Every thread's partial stores come before the ticket (the barrier), the ticket releases them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + b * HKV + h, 1, sem="acq_rel")
-        if ticket == SPLITS - 1:
-            splits = tl.arange(0, SPLITS)
-            lses = tl.load(
-                part_lse_ptr + (base + splits)[:, None] * GROUP_P2 + gp[None, :], cache_modifier=".cg"
-            )
-            top = tl.max(lses, axis=0)  # split 0 always saw the new token
-            weights = tl.exp2(lses - top[None, :])  # [SPLITS, GROUP_P2]
-            parts = tl.load(
-                part_o_ptr
-                + ((base + splits)[:, None, None] * GROUP_P2 + gp[None, :, None]) * D
-                + d[None, None, :],
-                cache_modifier=".cg",
-            )
-            merged = tl.sum(weights[:, :, None] * parts, axis=0) / tl.sum(weights, axis=0)[:, None]
-            dst = out_ptr + (b * HQ + h * GROUP + gp)[:, None] * D + d[None, :]
-            tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=(gp < GROUP)[:, None])
-            tl.atomic_xchg(tickets_ptr + b * HKV + h, 0)
+        live = True
+    if live:
+        m, acc, total = attend_share(
+            qkv_ptr,
+            qw_ptr,
+            kw_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            indices_ptr,
+            stride_qkv,
+            eps,
+            qk_scale,
+            cos,
+            sin,
+            slot,
+            start_page,
+            lo,
+            hi,
+            b,
+            h,
+            s == 0,
+            HQ,
+            HKV,
+            D,
+            PAGE,
+            GROUP,
+            GROUP_PAD,
+            BLOCK_N,
+            NORM,
+            GEMMA,
+        )
+        if WORK:
+            item_epilogue(
+                m, acc, total, part_o_ptr, part_lse_ptr, tickets_ptr, out_ptr, b, h, item, item - s, used,
+                HQ, HKV, D, GROUP, GROUP_P2, GROUP_PAD,
+            )  # fmt: skip
+        else:
+            split_epilogue(
+                m, acc, total, part_o_ptr, part_lse_ptr, tickets_ptr, out_ptr, b, h, s,
+                HQ, HKV, D, GROUP, GROUP_P2, GROUP_PAD, SPLITS,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -285,6 +222,7 @@ def decode_rope_attention(
     num_warps: int = 4,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: qkv [B, (H + 2 Hkv) * D] (the merged projection, before norms and rope)
     -> attention output [B, H * D].
@@ -296,7 +234,11 @@ def decode_rope_attention(
     `pdl`: a programmatic dependent launch (engine/layers/pdl.py): each program reads the positions, page
     lists and lengths before it waits for the q/k/v projection. (Loading its first block of K/V before the
     wait too, and each next block one ahead, gained nothing on an H200 at batch 1 to 4 and lost 5 µs a
-    layer at 8: kernel-choices-chain-5c8564c.json.)"""
+    layer at 8: kernel-choices-chain-5c8564c.json.)
+
+    `work` (int32 [2 * items + 1], from `plan_work`): programs (KV head, item) over a planned list of
+    (row, chunk) items instead of (row, KV head, split), for large batches of uneven rows; `splits` is then
+    unused and the scratch must hold `items` partials per KV head."""
     d = table.shape[1]
     batch = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -309,12 +251,14 @@ def decode_rope_attention(
     k_cache, v_cache = caches
     indptr, indices = pages
     group_p2 = triton.next_power_of_2(group)
-    if batch * num_kv_heads * splits * group_p2 > scratch.part_lse.shape[0]:
+    items = 0 if work is None else (work.shape[0] - 1) // 2
+    if (items or batch * splits) * num_kv_heads * group_p2 > scratch.part_lse.shape[0]:
         raise ValueError(f"the scratch holds fewer partials than {batch} rows x {splits} splits need")
     if out is None:
         out = torch.empty(batch, num_heads * d, dtype=qkv.dtype, device=qkv.device)
     norm = q_weight is not None
-    launch: Any = decode_rope_attention_kernel[(batch, num_kv_heads, splits)]
+    grid = (num_kv_heads, items) if items else (batch, num_kv_heads, splits)
+    launch: Any = decode_rope_attention_kernel[grid]
     launch(
         qkv,
         positions,
@@ -331,6 +275,8 @@ def decode_rope_attention(
         scratch.part_lse,
         scratch.tickets,
         out,
+        qkv if work is None else work,  # a placeholder without a work list: never read
+        items,
         qkv.stride(0),
         table.stride(0),
         eps,
@@ -342,10 +288,11 @@ def decode_rope_attention(
         GROUP=group,
         GROUP_P2=group_p2,
         GROUP_PAD=max(MIN_GROUP_ROWS, group_p2),
-        SPLITS=splits,
+        SPLITS=1 if items else splits,
         BLOCK_N=block_n,
         NORM=norm,
         GEMMA=gemma,
+        WORK=bool(items),
         num_warps=num_warps,
         **pdl_launch(pdl),
     )

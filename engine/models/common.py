@@ -212,6 +212,7 @@ class Attention(nn.Module):
             splits=fused.splits,
             block_n=fused.block_n,
             pdl=self.kernels.uses_pdl(merged),
+            work=fused.work,
         )
 
     def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
