@@ -132,7 +132,7 @@ def main() -> None:
     print(f"{'group':<16} {'steps':>6} {'device ms':>10} {'idle ms':>8} {'floor ms':>9} {'% floor':>8}")
     for group, r in table.items():
         pct = r.get("percent_of_floor", "")
-        cells = f"{r['steps']:6.0f} {r['device_ms']:10.1f} {r['idle_ms']:8.1f} {r['floor_ms']:9.1f}"
+        cells = f"{r['steps']:6.0f} {r['device_ms']:10.1f} {r['idle_ms']:8.1f} {r.get('floor_ms', 0.0):9.1f}"
         print(f"{group:<16} {cells} {pct:>8}")
     print(f"{tokens / elapsed:,.0f} tok/s, {elapsed:.3f} s", end="; ")
     print(f"device {device_ms / 1e3:.3f} s, idle {idle_ms / 1e3:.3f} s")

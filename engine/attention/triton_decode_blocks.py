@@ -176,9 +176,9 @@ def item_epilogue(  # type: ignore[no-untyped-def]  # pointers, tensors and cons
             weight = tl.zeros((GROUP_P2,), tl.float32)
             merged = tl.zeros((GROUP_P2, D), tl.float32)
             for j in range(0, used):
-                part = ((first_item + j) * HKV + h) * GROUP_P2 + gp
-                lse = tl.load(part_lse_ptr + part, cache_modifier=".cg")
-                o = tl.load(part_o_ptr + part[:, None] * D + d[None, :], cache_modifier=".cg")
+                src = ((first_item + j) * HKV + h) * GROUP_P2 + gp
+                lse = tl.load(part_lse_ptr + src, cache_modifier=".cg")
+                o = tl.load(part_o_ptr + src[:, None] * D + d[None, :], cache_modifier=".cg")
                 new_top = tl.maximum(top, lse)
                 rescale = tl.exp2(top - new_top)
                 w = tl.exp2(lse - new_top)
