@@ -10,7 +10,7 @@ import torch
 
 # Graphs of more rows than this take work lists; up to it, equal shares of each row (launch_config).
 EQUAL_SHARES_MAX_BS = 32
-WORK_WAVES = 16  # programs per SM beyond one per (row, KV head)
+WORK_WAVES = 4  # programs per SM beyond one per (row, KV head)
 WORK_BLOCK_N = 64
 WORK_MIN_CHUNK = 128
 

@@ -11,6 +11,7 @@ import torch
 
 from tandem.engine.attention.decode_work import (
     EQUAL_SHARES_MAX_BS,
+    WORK_WAVES,
     plan_work,
     work_capacity,
     work_launch,
@@ -64,5 +65,5 @@ def test_capacity_must_leave_room_and_small_graphs_keep_equal_shares() -> None:
         plan_work(torch.tensor([10, 20], dtype=torch.int32), 2, 16, 16)
     assert work_launch(EQUAL_SHARES_MAX_BS, 8, 132) is None
     launch = work_launch(EQUAL_SHARES_MAX_BS + 1, 8, 132)
-    assert launch is not None and launch.items == work_capacity(EQUAL_SHARES_MAX_BS + 1, 8, 132, 16)
+    assert launch is not None and launch.items == work_capacity(EQUAL_SHARES_MAX_BS + 1, 8, 132, WORK_WAVES)
     assert work_capacity(256, 8, 132, 16) == 256 + 264
