@@ -101,6 +101,29 @@ def test_greedy_is_the_same_under_every_switch(
     assert_same_greedy(expected, outs)
 
 
+def test_work_list_decode_graphs_match_eager(
+    gpu_model_dir: Callable[[str], Path], assert_same_greedy: Callable[[list[Any], list[Any]], None]
+) -> None:
+    """Decode graphs of more than 32 rows with the one-launch decode plan a work list every step
+    (decode_work.py): 40 sequences of uneven prompts, graphs up to 64 rows, against the all-off run."""
+    model_dir = gpu_model_dir("qwen3")
+    batch = prompts(512, n=40, seed=1)
+    expected = run(model_dir, batch, **OFF, num_pages=1024)  # room for all 40 at once
+    work_lists = {"num_pages": 1024, "cuda_graph_max_bs": 64, "fused_decode_max_bs": 64}
+    llm = LLM(str(model_dir), **{**BASE, **work_lists})
+    backend = llm.runtime.engine.attention
+    # The backend's per-size buffers: graphs above 32 rows carry a work list, smaller ones equal shares.
+    sizes = {bs: f.work is not None for fused in backend._fused_by_size.values() for bs, f in fused.items()}
+    assert sizes and all(listed == (bs > 32) for bs, listed in sizes.items()), sizes
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert_same_greedy(expected, outs)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_graphs_with_nccl_inside_match_eager(
     gpu_model_dir: Callable[[str], Path], assert_same_greedy: Callable[[list[Any], list[Any]], None]
