@@ -88,7 +88,8 @@ class EngineArgs(BaseModel):
         default=None,
         ge=0,
         description="Largest decode graph whose layers run rope, K/V store and attention as one Triton "
-        "launch, with Triton norms; 0 keeps flashinfer's kernels throughout.",
+        "launch (Triton norms up to 32 rows, a per-step work list above); 0 keeps flashinfer's kernels "
+        "throughout.",
     )
     pdl_max_bs: int | None = Field(
         default=None,

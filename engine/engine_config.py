@@ -45,8 +45,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
     piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
     # Decode graphs of up to this many rows run each full-attention layer's rope, K/V store, attention
-    # and split merge as one Triton launch (attention/triton_decode.py), and graphs' norms over up to
-    # this many rows run as Triton kernels (layers/triton_norm.py); 0 turns both off.
+    # and split merge as one Triton launch (attention/triton_decode.py; above 32 rows over a work list,
+    # attention/decode_work.py), and graphs' norms over up to this many rows, at most 32, run as Triton
+    # kernels (layers/triton_norm.py); 0 turns both off.
     fused_decode_max_bs: int = 0
     # CUDA graphs of up to this many rows launch their Triton kernels (and tinygemm) with programmatic
     # dependent launch (layers/pdl.py); 0 turns it off. Never more than `fused_decode_max_bs`.
