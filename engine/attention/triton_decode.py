@@ -15,6 +15,10 @@ KV head, split) does all of it, in 8.6 against 13.3 µs for the three at batch 1
   of its (row, KV head) merges the splits and sets the ticket back to zero, ready for the next launch or
   CUDA-graph replay.
 
+With a work list (`work=`, decode_work.py; larger graphs) program (KV head, item) takes one chunk of one
+row instead: rows get programs in proportion to their length, and a row's items merge through its ticket
+the same way. Its building blocks are in triton_decode_blocks.py.
+
 Rows are flashinfer's CSR page lists (the decode graphs' own buffers), plus per row the number of earlier
 tokens and the new token's slot (`FlashInferBackend`'s plan coordinates). No sliding window and no
 soft-cap: those layers keep flashinfer. Numerics follow the unfused chain: each norm rounds once to bf16,
