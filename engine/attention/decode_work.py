@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 # Graphs of more rows than this take work lists; up to it, equal shares of each row (launch_config).
@@ -47,17 +46,20 @@ def plan_work(old_lens: torch.Tensor, capacity: int, block_n: int, min_chunk: in
     total / (capacity - rows) tokens or more always fits every row in `capacity` items; the chunk is that,
     rounded up to a multiple of `block_n`, and at least `min_chunk`. Rows go longest first, so the last
     programs to start are the shortest (the longest-processing-time order)."""
-    old = old_lens.numpy().astype(np.int64)  # numpy: each plan runs this on the host, as paged_layout
+    old = old_lens.to(torch.int64)
     rows = old.shape[0]
     if capacity <= rows:
         raise ValueError(f"{capacity} work items leave no room to split {rows} rows")
-    chunk = max(min_chunk, -(-int(old.sum()) // (capacity - rows)))
+    spare = capacity - rows
+    chunk = max(min_chunk, -(-int(old.sum()) // spare))
     chunk = -(-chunk // block_n) * block_n
-    order = np.argsort(-old, kind="stable")
-    counts = np.maximum((old[order] + chunk - 1) // chunk, 1)
+    order = torch.argsort(old, descending=True, stable=True)
+    counts = ((old[order] + chunk - 1) // chunk).clamp_(min=1)
     listed = int(counts.sum())
-    work = np.full(2 * capacity + 1, -1, dtype=np.int32)
-    work[:listed] = np.repeat(order, counts)
-    work[capacity : capacity + listed] = np.arange(listed) - np.repeat(np.cumsum(counts) - counts, counts)
+    items = torch.repeat_interleave(order, counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    work = torch.full((2 * capacity + 1,), -1, dtype=torch.int32)
+    work[:listed] = items
+    work[capacity : capacity + listed] = torch.arange(listed) - starts
     work[-1] = chunk
-    return torch.from_numpy(work)
+    return work
