@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
-from tandem.replicas.detokenizer import IncrementalDetokenizer
+from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
@@ -54,6 +54,7 @@ class LLM:
 
         self.model_dir = resolve_model_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._token_decoder = TokenDecoder(self.tokenizer)
         options = RuntimeOptions(
             device=device,
             dtype=dtype,
@@ -132,7 +133,7 @@ class LLM:
             self._next_rid += 1
             results[rid] = RequestOutput(prompt_token_ids=prompt_ids)
             if p.stop_strings:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop_strings)
+                detoks[rid] = IncrementalDetokenizer(self._token_decoder, prompt_ids, p.stop_strings)
             self._inbox.append(AddRequest(rid, prompt_ids, to_spec(p)))
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req")
         pending = len(results)

@@ -9,6 +9,9 @@ adds to TTFT: HTTP against the server minus `LLMReplica.generate` in this proces
         --rates 1,2,4 --num-prompts 100 --input-len 256 --output-len 64 --tag tiny-cpu
 
 Results go to benchmarks/results/online-<tag>.json (and .png). See docs/benchmarks.md.
+
+`--vs-offline` instead runs the in-process `LLM` and `tandem serve` with its defaults on the same
+workload, in one run, and reports their ratio (benchmarks/online_vs_offline.py).
 """
 
 from __future__ import annotations
@@ -119,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "--vs-offline" in words:  # its own flags: see benchmarks/online_vs_offline.py
+        from tandem.benchmarks.online_vs_offline import main as vs_offline
+
+        return vs_offline([w for w in words if w != "--vs-offline"])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(words)
     if args.rates is None and args.concurrency is None and not args.serve_overhead:
         parser.error("give --rates or --concurrency (or --serve-overhead alone)")
     if not 0.0 <= args.random_range_ratio < 1.0:

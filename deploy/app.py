@@ -18,7 +18,8 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
-from tandem.deploy.server import LLMServer
+from tandem.deploy.server import QUEUED_PER_RUNNING, LLMServer
+from tandem.scheduler.runtime import MAX_RUNNING_CPU, MAX_RUNNING_GPU, RuntimeOptions
 
 REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
 ADMISSION_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
@@ -84,7 +85,7 @@ def placement_bundles(args: AppArgs, device: str) -> list[dict[str, float]]:
 
 def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
     options: dict[str, Any] = {
-        "max_ongoing_requests": serve_max_ongoing_requests(args),
+        "max_ongoing_requests": serve_max_ongoing_requests(args, device),
         # Never queue at the proxy: a request past the replica's own queue gets the app's shaped 503.
         "max_queued_requests": -1,
         "ray_actor_options": {"num_cpus": REPLICA_CPUS, "runtime_env": {"env_vars": REPLICA_ENV_VARS}},
@@ -102,9 +103,29 @@ def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
     return options
 
 
-def serve_max_ongoing_requests(args: AppArgs) -> int:
+def engine_capacity_bound(args: AppArgs, device: str) -> int:
+    """The most requests a replica's engine can run at once, known before it starts: its max_running
+    setting, else the largest decode graph on GPU. A small KV pool may lower it once the engine is up
+    (the replica then admits what the engine reports)."""
+    engine = args.engine
+    if engine.max_running is not None:
+        return engine.max_running
+    if device != "cuda":
+        return MAX_RUNNING_CPU
+    if engine.cuda_graph is False:
+        return MAX_RUNNING_GPU
+    graph_max = engine.cuda_graph_max_bs or RuntimeOptions().cuda_graph_max_bs
+    return min(MAX_RUNNING_GPU, graph_max)
+
+
+def serve_max_ongoing_requests(args: AppArgs, device: str) -> int:
     """What Serve lets into one replica: everything `Admission` may run or queue there, plus slack for
     the requests it turns away and for /health and /v1/models. With an unbounded queue
-    (`max_queued_requests: -1`), the queue term is `max_ongoing_requests` again."""
-    queued = args.max_queued_requests if args.max_queued_requests >= 0 else args.max_ongoing_requests
-    return args.max_ongoing_requests + queued + ADMISSION_SLACK
+    (`max_queued_requests: -1`), the queue term is the running bound again."""
+    running = args.max_ongoing_requests or engine_capacity_bound(args, device)
+    queued = args.max_queued_requests
+    if queued is None:
+        queued = QUEUED_PER_RUNNING * running
+    elif queued < 0:
+        queued = running
+    return running + queued + ADMISSION_SLACK

@@ -191,15 +191,17 @@ class AppArgs(BaseModel):
     autoscaling_config: AutoscalingArgs | None = Field(
         default=None, description="Autoscale replicas between bounds; exclusive with num_replicas."
     )
-    max_ongoing_requests: int = Field(
-        default=64,
+    max_ongoing_requests: int | None = Field(
+        default=None,
         ge=1,
-        description="Requests one replica handles at once before the router holds more back.",
+        description="Requests one replica runs at once; unset: what its engine runs at once (its max "
+        "running requests, from the KV pool and cuda_graph_max_bs on GPU; 64 on CPU).",
     )
-    max_queued_requests: int = Field(
-        default=256,
+    max_queued_requests: int | None = Field(
+        default=None,
         ge=-1,
-        description="Requests a caller may queue for this deployment before getting 503; -1 is unbounded.",
+        description="Requests one replica queues beyond those it runs before answering 503; -1 is "
+        "unbounded; unset: four times max_ongoing_requests.",
     )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         default="STRICT_PACK", description="Placement-group strategy for a replica's tp_size rank bundles."

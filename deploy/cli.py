@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--ingress",
-        choices=["proxy", "haproxy"],
-        default="proxy",
-        help="How HTTP reaches the replicas when this command starts Ray: Serve's proxy (default), or "
-        "HAProxy straight to the replicas, for lower latency (docs/serve-config.md#ingress).",
+        choices=["auto", "proxy", "haproxy"],
+        default="auto",
+        help="How HTTP reaches the replicas when this command starts Ray: HAProxy straight to the "
+        "replicas, or Serve's Python proxy; 'auto' (default) takes HAProxy when its binary is found "
+        "(docs/serve-config.md#ingress).",
     )
 
     bench = commands.add_parser("bench", help="Run the benchmarks.")

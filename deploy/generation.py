@@ -1,25 +1,24 @@
 """The LLMServer's request path: tokenize, check limits, run a job's choices, report metrics.
 
 Everything here happens before a request reaches a rank, so a bad input is a `JobRejected` (a 400)
-and never an engine failure. A job's choices run as concurrent `LLMReplica.generate` streams; their
-chunks are forwarded the moment they arrive (no batching delay). Closing the job's stream closes every
-choice's stream, which aborts the requests on the ranks and frees their KV pages.
+and never an engine failure. An accepted job's choices are submitted to the replica together and drained
+together through a `JobRun`; closing the run aborts on the ranks whatever is still running and frees
+its KV pages.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandem.deploy.errors import unavailable
 from tandem.deploy.job_builder import choice_sampling
-from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobAccepted, JobEvent, JobRejected
+from tandem.deploy.job_run import JobRun, Submitter
+from tandem.deploy.jobs import GenerateJob, JobAccepted, JobRejected
 from tandem.deploy.logprobs import TokenStrings
 from tandem.deploy.metrics import MetricsSink
-from tandem.replicas.chunks import GenerationChunk
 from tandem.scheduler.sampling_params import SamplingParams
 
 # Arguments a chat template receives from us; `chat_template_kwargs` may not override them.
@@ -28,7 +27,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class ReplicaLike(Protocol):
+class ReplicaLike(Submitter, Protocol):
     """The part of `LLMReplica` this path uses (a fake in unit tests)."""
 
     tokenizer: Any
@@ -41,10 +40,6 @@ class ReplicaLike(Protocol):
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError for anything a rank must never see."""
         ...
-
-    def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> AsyncGenerator[GenerationChunk, None]: ...
 
 
 class Rejected(Exception):
@@ -73,35 +68,35 @@ class GenerationService:
         self._vocab_size = vocab_size if vocab_size is not None else len(replica.tokenizer)
         self._token_strings = TokenStrings(replica.tokenizer)
 
-    async def run(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
-        """`JobAccepted` or `JobRejected` first, then every choice's deltas as they come."""
-        start = time.time()
-        self._metrics.queue_time(start - job.arrival_time)
+    async def start(
+        self, job: GenerateJob, on_engine_done: Callable[[], None] | None = None
+    ) -> JobRun | JobRejected:
+        """Check the job and send all its choices to the ranks; `JobRejected` if it cannot run.
+
+        Every choice reaches the ranks before the caller answers with headers, so the prefill overlaps
+        the HTTP response start. `on_engine_done` is called once every choice's last token has arrived
+        (or the run is closed first)."""
+        self._metrics.queue_time(time.time() - job.arrival_time)
         try:
             prompts = self._prompt_ids(job)
             choices = self._choices(job, prompts)
         except Rejected as rejected:
-            yield rejected.event
-            return
-        # Every choice goes to the ranks now, before the caller answers with headers: the prefill
-        # overlaps the HTTP response start rather than waiting for the body to be iterated.
-        started = [_Started(choice, self._replica) for choice in choices]
+            return rejected.event
+        accepted = JobAccepted(prompt_tokens=[len(p) for p in prompts])
+        run = JobRun(
+            job, accepted, len(choices), self._replica, self._metrics, self._token_strings, on_engine_done
+        )
         try:
-            await asyncio.sleep(0)  # one loop turn: the first pulls run up to their send to the ranks
-            yield JobAccepted(prompt_tokens=[len(p) for p in prompts])
-            self._metrics.prompt_tokens(sum(len(p) for p in prompts))
-            stream = self._one(started[0], job) if len(started) == 1 else self._merged(started, job)
-            first_token_seen = False
-            async with aclosing(stream) as deltas:
-                async for delta in deltas:
-                    if delta.token_ids and not first_token_seen:
-                        first_token_seen = True
-                        self._metrics.first_token(time.time() - job.arrival_time)
-                    yield delta
-            self._metrics.request_done(time.time() - job.arrival_time)
-        finally:
-            for one in started:  # a job closed early (or never iterated) aborts its choices on the ranks
-                await one.close()
+            for choice in choices:
+                await run.submit(choice.index, choice.prompt_ids, choice.sampling)
+        except (RuntimeError, ValueError) as exc:  # refused (draining, a rank down): a 503
+            await run.close()
+            raise unavailable(str(exc)) from None
+        except BaseException:
+            await run.close()
+            raise
+        self._metrics.prompt_tokens(sum(len(p) for p in prompts))
+        return run
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -174,99 +169,3 @@ class GenerationService:
                         raise Rejected(str(exc)) from None
                 choices.append(_Choice(index, ids, sampling, f"{job.request_id}-{index}"))
         return choices
-
-    # -- output ------------------------------------------------------------------------------------
-
-    async def _one(self, started: _Started, job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
-        last = time.time()
-        choice = started.choice
-        try:
-            first = await started.first
-        except (RuntimeError, ValueError) as exc:  # refused (draining, a rank down): a 503
-            yield ChoiceDelta(choice.index, finish_reason="error", error=str(exc))
-            return
-        if first is None:
-            return
-        async with aclosing(started.stream) as chunks:  # closing it aborts the request on the ranks
-            async for chunk in _prepend(first, chunks):
-                now = time.time()
-                if chunk.token_ids:
-                    self._metrics.generation_tokens(len(chunk.token_ids))
-                    if chunk.completion_tokens > len(chunk.token_ids):  # not the first token
-                        self._metrics.inter_token(now - last, len(chunk.token_ids))
-                    last = now
-                yield self._delta(choice.index, chunk, job.token_strings)
-
-    async def _merged(self, choices: list[_Started], job: GenerateJob) -> AsyncGenerator[ChoiceDelta, None]:
-        queue: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
-
-        async def pump(choice: _Started) -> None:
-            try:
-                async with aclosing(self._one(choice, job)) as deltas:
-                    async for delta in deltas:
-                        queue.put_nowait(delta)
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
-                yield item
-            for task in tasks:  # surface a pump's exception rather than dropping it
-                task.result()
-        finally:
-            for task in tasks:
-                task.cancel()  # cancellation reaches each LLMReplica.generate, which aborts it
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _delta(self, index: int, chunk: GenerationChunk, token_strings: bool) -> ChoiceDelta:
-        logprobs = None
-        if token_strings and chunk.logprobs is not None:
-            logprobs = self._token_strings.entries(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-        return ChoiceDelta(
-            index=index,
-            text=chunk.text,
-            token_ids=list(chunk.token_ids),
-            logprobs=logprobs,
-            finish_reason=chunk.finish_reason,
-            error=chunk.error,
-        )
-
-
-class _Started:
-    """One choice's `LLMReplica.generate` stream, started at once: a task pulls its first chunk, which
-    sends the request to the ranks without waiting for a consumer."""
-
-    def __init__(self, choice: _Choice, replica: ReplicaLike) -> None:
-        self.choice = choice
-        self.stream = replica.generate(choice.prompt_ids, choice.sampling, request_id=choice.request_id)
-        self.first: asyncio.Task[GenerationChunk | None] = asyncio.ensure_future(self._pull_first())
-
-    async def _pull_first(self) -> GenerationChunk | None:
-        try:
-            return await anext(self.stream)
-        except StopAsyncIteration:  # a Task cannot carry it: None means the stream was empty
-            return None
-
-    async def close(self) -> None:
-        """Stop the first pull if it still runs, then close the stream (which aborts the request on
-        the ranks if it has not finished); safe to call more than once."""
-        if not self.first.done():
-            self.first.cancel()
-            await asyncio.wait([self.first])  # a cancel of our own caller still propagates
-        if not self.first.cancelled():
-            self.first.exception()  # consumed by `_one` or not at all: either way, not an error here
-        await self.stream.aclose()
-
-
-async def _prepend(
-    first: GenerationChunk, rest: AsyncGenerator[GenerationChunk, None]
-) -> AsyncGenerator[GenerationChunk, None]:
-    yield first
-    async for chunk in rest:
-        yield chunk

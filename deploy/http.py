@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.deploy.errors import OpenAIError, from_validation_errors, internal_error
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.deploy.service import OpenAIService
+from tandem.deploy.service import ChunkBatches, OpenAIService
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,12 @@ def error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def sse_events(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[bytes, None]:
-    """`data: <json>` per chunk, each sent as soon as it exists, then `data: [DONE]`."""
-    async with aclosing(chunks):
-        async for chunk in chunks:
-            yield b"data: " + _encoder.encode(chunk) + b"\n\n"
+async def sse_events(batches: ChunkBatches) -> AsyncGenerator[bytes, None]:
+    """`data: <json>` per chunk, each batch in one write as soon as it exists, then `data: [DONE]`."""
+    async with aclosing(batches):
+        async for batch in batches:
+            if batch:
+                yield b"".join(b"data: " + _encoder.encode(chunk) + b"\n\n" for chunk in batch)
     yield b"data: [DONE]\n\n"
 
 
@@ -75,7 +76,7 @@ class ClosingStreamingResponse(StreamingResponse):
                 await body.aclose()
 
 
-def _to_http(result: dict[str, Any] | AsyncGenerator[dict[str, Any], None]) -> Response:
+def _to_http(result: dict[str, Any] | ChunkBatches) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
     return ClosingStreamingResponse(sse_events(result), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -103,11 +103,10 @@ class ServingMetrics:
         self._ttft.observe(max(seconds, 0.0), tags=self._tags)
 
     def inter_token(self, seconds: float, tokens: int) -> None:
-        # A chunk may carry several tokens (one step's worth); spread its gap over them.
+        # One observation per delta, never per token: a delta carries every token since the consumer
+        # last read, and its gap spread over them is the inter-token latency a client saw.
         if tokens > 0:
-            per_token = max(seconds, 0.0) / tokens
-            for _ in range(tokens):
-                self._itl.observe(per_token, tags=self._tags)
+            self._itl.observe(max(seconds, 0.0) / tokens, tags=self._tags)
 
     def request_done(self, seconds: float) -> None:
         self._e2e.observe(max(seconds, 0.0), tags=self._tags)

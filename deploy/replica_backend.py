@@ -8,8 +8,7 @@ deployment, which Serve resolves when first needed (so the backend also works ou
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable
-from contextlib import aclosing
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import RayTaskError
@@ -17,7 +16,8 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from tandem.deploy.admission import Admission
 from tandem.deploy.generation import GenerationService
-from tandem.deploy.jobs import GenerateJob, JobEvent
+from tandem.deploy.job_run import JobRun
+from tandem.deploy.jobs import GenerateJob, JobRejected
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,18 @@ class ReplicaBackend:
         self._deployment_handle = deployment_handle
         self._handle: Any = None
 
-    async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
-        # The slot is held until the stream is closed (finished, or the client went away).
-        async with self._admission.slot(), aclosing(self._service.run(job)) as events:
-            async for event in events:
-                yield event
+    async def start(self, job: GenerateJob) -> JobRun | JobRejected:
+        # The slot is held until the job's last token arrives from the engine, or the run is closed
+        # first (the client went away), whichever comes first.
+        release = await self._admission.acquire()
+        try:
+            result = await self._service.start(job, on_engine_done=release)
+        except BaseException:
+            release()
+            raise
+        if isinstance(result, JobRejected):
+            release()
+        return result
 
     async def replica_stats(self) -> list[dict[str, Any]]:
         try:

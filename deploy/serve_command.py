@@ -1,4 +1,8 @@
-"""`tandem serve`: resolve the arguments, join or start Ray, deploy, show progress, print the URL, block."""
+"""`tandem serve`: resolve the arguments, join or start Ray, deploy, show progress, print the URL, block.
+
+On exit it leaves nothing behind: the Ray it started goes down, and any process of it that outlives
+`ray.shutdown()` (an orphaned HAProxy, say) is killed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +22,8 @@ import yaml
 from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
-from tandem.deploy.ingress_mode import ray_environment
+from tandem.deploy.ingress_mode import ray_environment, resolve_ingress
+from tandem.deploy.processes import ProcessTree, port_holder
 from tandem.engine.environment import ray_address
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
@@ -85,29 +91,64 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.deploy.app import build_app
 
     plan = plan_from_cli(args)
-    started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
+    processes = ProcessTree()
+    started_ray = False
     # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
+        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
         serve.start(http_options={"host": plan.host, "port": plan.port})
         serve._run(build_app(plan.app_args), _blocking=False, name=plan.name, route_prefix=plan.route_prefix)
         if not wait_until_running(plan.name, plan.app_args.resolved_served_model_name(), sys.stderr):
             return 1
+        _print_admission(plan)
         url = _url(plan)
         print(f"tandem: serving '{plan.app_args.resolved_served_model_name()}' at {url}/v1", flush=True)
         print(f"tandem: try  curl {url}/v1/models   (Ctrl-C to stop)", flush=True)
         while True:
-            time.sleep(3600)
+            processes.snapshot()  # HAProxy reloads start new processes: keep the list current
+            time.sleep(5.0)
     except KeyboardInterrupt:
         print("tandem: stopping", file=sys.stderr, flush=True)
         return 0
+    except PortTaken as taken:
+        print(f"tandem: {taken}", file=sys.stderr, flush=True)
+        return 1
     finally:
         _stop(plan.name, started_ray)
         if started_ray:
+            processes.snapshot()
             ray.shutdown()
+            killed = processes.stop_leftovers()
+            if killed:
+                print(f"tandem: stopped processes Ray left behind: {', '.join(killed)}", file=sys.stderr)
 
 
-def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingress: str = "proxy") -> bool:
+class PortTaken(Exception):
+    """The HTTP port cannot be bound: said at once, before Ray starts."""
+
+
+def _print_admission(plan: ServePlan) -> None:
+    """Say how many requests each replica runs at once, and where that figure came from."""
+    from ray import serve
+
+    try:
+        stats = serve.get_app_handle(plan.name).stats.remote().result(timeout_s=30)
+    except Exception as exc:  # informational only
+        print(f"tandem: could not read the replicas' admission bounds: {exc}", file=sys.stderr)
+        return
+    replicas = max(1, int(stats.get("num_replicas", 1)))
+    running = int(stats.get("max_ongoing_requests", 0)) // replicas
+    queued = int(stats.get("max_queued_requests", 0)) // replicas
+    source = "as configured" if plan.app_args.max_ongoing_requests else "the engine's max running requests"
+    print(
+        f"tandem: max_ongoing_requests {running} per replica ({source}), max_queued_requests "
+        f"{'unbounded' if queued < 0 else queued}",
+        flush=True,
+    )
+
+
+def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingress: str = "auto") -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
 
     A joined cluster keeps the ingress mode its nodes were started with (see ingress_mode.py)."""
@@ -118,7 +159,7 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
         try:
             ray.init(address=existing)
             print(f"tandem: joined the Ray cluster at {existing}", file=sys.stderr, flush=True)
-            if ingress != "proxy":
+            if ingress != "auto":
                 print(
                     f"tandem: --ingress {ingress} applies to a Ray this command starts; this cluster "
                     "keeps the mode its nodes were started with",
@@ -129,15 +170,23 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
         except ConnectionError:
             if address:
                 raise
+    holder = port_holder(plan.host, plan.port)
+    if holder is not None:
+        raise PortTaken(
+            f"cannot serve on {plan.host}:{plan.port}: {holder}. Stop that process or pick another --port."
+        )
     args = plan.app_args
     replicas = args.num_replicas or (args.autoscaling_config.min_replicas if args.autoscaling_config else 1)
     needed = max(1, replicas) * (args.tp_size * args.cpus_per_rank + REPLICA_CPUS)
     # Logical CPUs, not cores: rank actors mostly wait on the device, and a laptop must fit TP=2 on CPU.
     num_cpus = max(os.cpu_count() or 1, int(needed + 0.999))
+    mode, why = resolve_ingress(ingress)
+    print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
-    # shaped errors for failed replicas, and the controller the ingress mode.
-    for key, value in ray_environment(ingress).items():
-        os.environ.setdefault(key, value)
+    # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
+    state_dir = tempfile.mkdtemp(prefix="tandem-haproxy-")
+    for key, value in ray_environment(mode, state_dir).items():
+        os.environ[key] = value
     ray.init(num_cpus=num_cpus, _metrics_export_port=metrics_port)
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "

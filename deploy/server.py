@@ -35,6 +35,7 @@ from tandem.deploy.replica_backend import ReplicaBackend
 from tandem.deploy.service import OpenAIService, Response
 
 logger = logging.getLogger(__name__)
+QUEUED_PER_RUNNING = 4  # the default queue bound: a few engine batches' worth of requests
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
@@ -65,8 +66,8 @@ class LLMServer:
         engine: dict[str, Any],
         placement_strategy: str,
         cpus_per_rank: float,
-        max_running: int,
-        max_queued: int,
+        max_running: int | None,
+        max_queued: int | None,
         stats_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
         replica_factory: Callable[..., Any] | None = None,
@@ -84,7 +85,11 @@ class LLMServer:
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
         generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
-        backend = ReplicaBackend(generation, Admission(max_running, max_queued), _own_deployment_handle)
+        # Unset bounds follow the engine: run what it runs at once, queue a few batches more.
+        running = max_running or self._replica.max_running
+        queued = max_queued if max_queued is not None else QUEUED_PER_RUNNING * running
+        self._admission = Admission(running, queued)
+        backend = ReplicaBackend(generation, self._admission, _own_deployment_handle)
         self._service = OpenAIService(backend, served_model_name, model_root)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
@@ -93,11 +98,15 @@ class LLMServer:
         return build_http_app(self._service)
 
     # ---- the handle API (section 6 of ARCHITECTURE.md) --------------------------------------------
-    async def completions(self, body: dict[str, Any]) -> Response:
-        return await self._call(body, CompletionRequest, self._service.completions)
+    async def completions(
+        self, body: dict[str, Any]
+    ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+        return await self._handle_call(body, CompletionRequest, self._service.completions)
 
-    async def chat_completions(self, body: dict[str, Any]) -> Response:
-        return await self._call(body, ChatCompletionRequest, self._service.chat_completions)
+    async def chat_completions(
+        self, body: dict[str, Any]
+    ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+        return await self._handle_call(body, ChatCompletionRequest, self._service.chat_completions)
 
     async def stats(self) -> dict[str, Any]:
         """The `LLM.stats()` keys summed over every replica, plus `num_replicas`."""
@@ -108,7 +117,10 @@ class LLMServer:
 
     # ---- per replica: broadcast targets and Serve's hooks -----------------------------------------
     async def replica_stats(self) -> dict[str, Any]:
-        return dict(await self._replica.stats())
+        stats = dict(await self._replica.stats())
+        stats["max_ongoing_requests"] = self._admission.max_running
+        stats["max_queued_requests"] = self._admission.max_queued
+        return stats
 
     async def check_health(self) -> None:
         await self._replica.check_health()
@@ -128,6 +140,15 @@ class LLMServer:
             error = exc
         # Serve needs a generator for a stream=True call and a plain value otherwise.
         return _yield_once(error.body()) if streaming else error.body()
+
+    async def _handle_call(
+        self,
+        body: dict[str, Any],
+        request_cls: type[RequestT],
+        method: Callable[[RequestT], Awaitable[Response]],
+    ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
+        result = await self._call(body, request_cls, method)
+        return result if isinstance(result, dict) else _one_by_one(result)
 
     async def _poll_stats(self, interval_s: float) -> None:
         # Gauges (running, waiting, KV usage) are sampled, not updated per step: one stats call a second
@@ -154,5 +175,15 @@ class LLMServer:
             await replica.shutdown(drain_timeout_s=getattr(self, "_drain_timeout_s", 0.0))
 
 
-async def _yield_once(item: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-    yield item
+async def _yield_once(item: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+    yield [item]
+
+
+async def _one_by_one(
+    batches: AsyncGenerator[list[dict[str, Any]], None],
+) -> AsyncGenerator[dict[str, Any], None]:
+    """A handle stream yields chunk dicts one at a time (the public contract), not the service's batches."""
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            for chunk in batch:
+                yield chunk

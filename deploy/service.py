@@ -1,9 +1,10 @@
 """The OpenAI protocol logic of the LLMServer, shared by the HTTP routes and the Python handle API.
 
-It checks the model name and the body, hands a `GenerateJob` to a `Backend` (the LLMServer deployment,
-or an in-process fake in unit tests) and turns the events into OpenAI responses or stream chunks.
-Every failure is an `OpenAIError`; a failure after a stream has started becomes a last chunk holding the
-error body, since the HTTP status line is already sent by then.
+It checks the model name and the body, hands a `GenerateJob` to a `Backend` (the LLMServer replica's
+own request path, or an in-process fake in unit tests) and turns the job's deltas into an OpenAI response
+or stream chunks. A stream yields lists of chunks: each list is what the job produced since the consumer
+last read, and goes out as one write. Every failure is an `OpenAIError`; a failure after a stream has
+started becomes a last chunk holding the error body, since the HTTP status line is already sent by then.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, model_not_found, unavailable
 from tandem.deploy.job_builder import chat_job, completion_job
-from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobAccepted, JobEvent, JobRejected
+from tandem.deploy.job_run import JobRun
+from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobRejected
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.responses import ChatFormat, ChoiceResult, CompletionFormat, usage_dict
 from tandem.deploy.stats import aggregate_stats
 
 logger = logging.getLogger(__name__)
 
-Response = dict[str, Any] | AsyncGenerator[dict[str, Any], None]
+ChunkBatches = AsyncGenerator[list[dict[str, Any]], None]
+Response = dict[str, Any] | ChunkBatches
 _Format = CompletionFormat | ChatFormat
 
 
@@ -34,7 +36,9 @@ class Backend(Protocol):
     Raises `OpenAIError` for overload/unavailable.
     """
 
-    def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]: ...
+    async def start(self, job: GenerateJob) -> JobRun | JobRejected:
+        """Admit the job and send its choices to the ranks, or say why it cannot run."""
+        ...
 
     async def replica_stats(self) -> list[dict[str, Any]]: ...
 
@@ -89,79 +93,65 @@ class OpenAIService:
             raise model_not_found(request.model, self.served_model_name)
 
     async def _run(self, request: SamplingFields, job: GenerateJob, fmt: _Format) -> Response:
-        events = self._backend.generate(job)
-        try:
-            first = await anext(events)
-        except StopAsyncIteration:
-            raise internal_error("the model server ended the request without an answer") from None
-        except BaseException:
-            await events.aclose()
-            raise
-        if isinstance(first, JobRejected):
-            await events.aclose()
-            raise invalid_request(first.message, param=first.param, code=first.code)
-        if not isinstance(first, JobAccepted):
-            await events.aclose()
-            raise internal_error(f"unexpected first event {type(first).__name__}")
-        prompt_tokens = sum(first.prompt_tokens)
+        run = await self._backend.start(job)
+        if isinstance(run, JobRejected):
+            raise invalid_request(run.message, param=run.param, code=run.code)
+        prompt_tokens = sum(run.accepted.prompt_tokens)
         if request.stream:
-            stream = self._stream(events, fmt, job.num_choices, prompt_tokens, request.include_usage)
-            # The job's choices are already on the ranks. Started, the stream holds the job open, so
-            # closing it aborts them even if nothing was read (a client gone before the headers).
+            stream = self._stream(run, fmt, job.num_choices, prompt_tokens, request.include_usage)
+            # Started, the generator owns the run: closing it releases the choices even if nothing was
+            # read (a client gone before the headers). An unstarted generator would skip its cleanup.
             await anext(stream)
-            return cast(AsyncGenerator[dict[str, Any], None], stream)
-        return await self._collect(events, fmt, job.num_choices, prompt_tokens)
+            return stream
+        try:
+            return await self._collect(run, fmt, job.num_choices, prompt_tokens)
+        finally:
+            await run.close()
 
     async def _collect(
-        self, events: AsyncGenerator[JobEvent, None], fmt: _Format, num_choices: int, prompt_tokens: int
+        self, run: JobRun, fmt: _Format, num_choices: int, prompt_tokens: int
     ) -> dict[str, Any]:
         choices = [ChoiceResult(index=i) for i in range(num_choices)]
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, ChoiceDelta):
-                    _raise_if_failed(event)
-                    choices[event.index].add(event)
-        if any(c.finish_reason is None for c in choices):
-            raise unavailable("the model server stopped before every choice finished")
+        while not run.done:
+            for delta in await run.next():
+                _raise_if_failed(delta)
+                choices[delta.index].add(delta)
         completion_tokens = sum(c.num_tokens for c in choices)
         return fmt.response(choices, usage_dict(prompt_tokens, completion_tokens))
 
     async def _stream(
-        self,
-        events: AsyncGenerator[JobEvent, None],
-        fmt: _Format,
-        num_choices: int,
-        prompt_tokens: int,
-        include_usage: bool,
-    ) -> AsyncGenerator[dict[str, Any] | None, None]:
-        """The job's chunks, after one None that `_run` takes to start the generator."""
+        self, run: JobRun, fmt: _Format, num_choices: int, prompt_tokens: int, include_usage: bool
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The job's chunks, a list per wake-up, after one empty list that `_run` takes to start it."""
         completion_tokens = 0
-        unfinished = num_choices
-        async with aclosing(events):
-            yield None
+        try:
+            yield []
             try:
-                for chunk in fmt.start_chunks(num_choices):
-                    yield _with_usage_slot(chunk, include_usage)
-                async for event in events:
-                    if not isinstance(event, ChoiceDelta):
-                        continue
-                    _raise_if_failed(event)
-                    completion_tokens += len(event.token_ids)
-                    unfinished -= event.finish_reason is not None
-                    delta_chunk = fmt.chunk(event)
-                    if delta_chunk is not None:  # every delta goes out at once: no batching delay
-                        yield _with_usage_slot(delta_chunk, include_usage)
-                if unfinished:
-                    raise unavailable("the model server stopped before every choice finished")
+                opening = [_with_usage_slot(c, include_usage) for c in fmt.start_chunks(num_choices)]
+                if opening:
+                    yield opening
+                batch: list[dict[str, Any]] = []
+                while not run.done:
+                    for delta in await run.next():
+                        _raise_if_failed(delta)
+                        completion_tokens += len(delta.token_ids)
+                        chunk = fmt.chunk(delta)
+                        if chunk is not None:
+                            batch.append(_with_usage_slot(chunk, include_usage))
+                    if batch:
+                        yield batch
+                        batch = []
             except OpenAIError as error:
-                yield error.body()
+                yield [error.body()]
                 return
             except Exception:
                 logger.exception("stream %s failed", fmt.response_id)
-                yield internal_error().body()
+                yield [internal_error().body()]
                 return
-        if include_usage:
-            yield fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens))
+            if include_usage:
+                yield [fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens))]
+        finally:
+            await run.close()
 
 
 def _raise_if_failed(delta: ChoiceDelta) -> None:

@@ -2,6 +2,9 @@
 
 Requests go in as `AddRequest`/`AbortRequest`; each processed batch comes back as one list of
 `TokenOutput`s, sent as soon as the batch is processed (no batching delay).
+
+Neither end sets a high-water mark on the outputs: a zmq PUSH blocks once it is reached, and rank 0's
+send runs in the scheduler loop, which must never wait for a replica that is slow to read.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ReplicaChannel:
         self._pull = self._ctx.socket(zmq.PULL)
         for sock in (self._push, self._pull):
             sock.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
         req_port = self._push.bind_to_random_port(f"tcp://{host}")
         out_port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = ChannelAddress(f"tcp://{host}:{req_port}", f"tcp://{host}:{out_port}")
@@ -57,6 +61,7 @@ class RankChannel:
         self._push = self._ctx.socket(zmq.PUSH)
         for sock in (self._push, self._pull):
             sock.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)
         self._pull.connect(address.requests)
         self._push.connect(address.outputs)
         self._encoder = msgspec.msgpack.Encoder()

@@ -1,52 +1,74 @@
-"""Incremental detokenization with stop strings, matched on text across token boundaries."""
+"""Incremental detokenization with the `tokenizers` library's `DecodeStream`, and stop strings.
+
+Each token costs O(1): `DecodeStream` keeps only the few ids of a character still being assembled
+(multi-byte UTF-8 split across byte-level tokens, byte-fallback `<0x..>` tokens). Ids the tokenizer
+does not know (a model's LM head is often padded past its tokenizer) are dropped before the stream sees
+them: fed in, they would stay in its buffer and make every later step decode a growing window.
+
+Stop strings are matched on the new text plus the text held back since the last release, which is
+never longer than the longest stop string: released text never ends with a proper prefix of a stop.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
 
-@dataclass
+# Prompt ids that seed a request's stream, so its first output token decodes in context (a
+# SentencePiece "▁word" keeps its space after a prompt, as it would in the full text).
+PROMPT_CONTEXT_IDS = 4
+
+
+class TokenDecoder:
+    """What every request's detokenizer shares: the fast tokenizer and the ids it can decode."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(
+                f"{type(tokenizer).__name__} is not a fast tokenizer; tandem needs the `tokenizers` "
+                "backend (a tokenizer.json) for incremental detokenization"
+            )
+        self.backend = backend
+        ids = backend.get_vocab(with_added_tokens=True).values()
+        self._known = bytearray(max(ids, default=-1) + 1)
+        for token_id in ids:
+            self._known[token_id] = 1
+
+    def knows(self, token_id: int) -> bool:
+        return 0 <= token_id < len(self._known) and self._known[token_id] == 1
+
+
 class IncrementalDetokenizer:
-    """Turns one request's output ids into text pieces as they arrive.
+    """Turns one request's output ids into text pieces as they arrive, cutting at the first stop string.
 
-    Decoding a window of recent tokens (not single tokens) keeps multi-token characters and
-    byte-level merges right; text ending in U+FFFD waits for the rest of its bytes. With stop
-    strings, text that could still be the start of a stop string is held back until it is not.
+    With stop strings, text that could still be the start of one is held back until it is not.
     """
 
-    tokenizer: Any
-    prompt_ids: list[int]
-    stop: list[str] = field(default_factory=list)
-    skip_special_tokens: bool = True
-    text: str = ""  # everything released so far
-    _ids: list[int] = field(default_factory=list)
-    _prefix_offset: int = 0
-    _read_offset: int = 0
-    _held: str = ""
-    stopped: bool = False
-
-    def __post_init__(self) -> None:
-        # Start from the prompt's tail so the first output token decodes in context.
-        self._ids = list(self.prompt_ids[-6:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
+    def __init__(
+        self,
+        decoder: TokenDecoder,
+        prompt_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._decoder = decoder
+        context = [t for t in prompt_ids[-PROMPT_CONTEXT_IDS:] if decoder.knows(t)]
+        self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+        self._stop = list(stop or ())
+        self._held = ""
+        self.text = ""  # everything released so far
+        self.stopped = False
 
     def add(self, token_id: int) -> str:
-        """Feed one token; return the newly released text ("" if held back or after a stop)."""
-        if self.stopped:
+        """Feed one token; return the newly released text ("" if none yet, or after a stop)."""
+        if self.stopped or not self._decoder.knows(token_id):
             return ""
-        self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        piece = self._stream.step(self._decoder.backend, token_id)
+        if not piece:
             return ""
-        new = full[len(prefix) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._release(new)
+        return self._release(piece)
 
     def flush(self) -> str:
         """At the end of a request: release anything held back."""
@@ -55,17 +77,17 @@ class IncrementalDetokenizer:
         return out
 
     def _release(self, new: str) -> str:
-        if not self.stop:
+        if not self._stop:
             self.text += new
             return new
         pending = self._held + new
-        cut = _first_stop(pending, self.stop)
+        cut = _first_stop(pending, self._stop)
         if cut is not None:
             self.stopped = True
             self._held = ""
             self.text += pending[:cut]
             return pending[:cut]
-        keep = _partial_stop_len(pending, self.stop)
+        keep = _partial_stop_len(pending, self._stop)
         out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out

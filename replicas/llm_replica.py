@@ -1,9 +1,10 @@
 """LLMReplica: one model copy over a TP group of rank actors, usable with or without Ray Serve.
 
 It tokenizes nothing itself: callers hand it prompt token ids (the Serve deployment in `deploy/` does
-the templating). It validates each request against the model's limits before anything reaches a rank,
-forwards it to rank 0 over the data channel, and turns rank 0's token batches into per-request
-`GenerationChunk`s, detokenized incrementally with stop strings applied.
+the templating). It validates each request against the model's limits before anything reaches a rank and
+forwards it to rank 0 over the data channel. Rank 0 sends one frame per engine step; the receive loop
+handles each frame in one pass, merging every row's token into its request's `RequestStream` slot
+(detokenized, stop strings applied), from which the request's consumer takes `GenerationChunk`s.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import fields
 from typing import Any
 
@@ -20,7 +21,7 @@ from tandem.cluster.rendezvous import node_ip
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.channel import ReplicaChannel
 from tandem.replicas.chunks import GenerationChunk
-from tandem.replicas.detokenizer import IncrementalDetokenizer
+from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
 from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, TokenOutput
@@ -59,6 +60,7 @@ class LLMReplica:
         self.cpus_per_rank = cpus_per_rank
         self.max_heartbeat_age_s = max_heartbeat_age_s
         self.tokenizer: Any = None
+        self._decoder: TokenDecoder | None = None
         self.limits: RuntimeLimits | None = None
         self._group: RankGroup | None = None
         self._channel: ReplicaChannel | None = None
@@ -84,6 +86,12 @@ class LLMReplica:
         return self.limits.max_seq_len
 
     @property
+    def max_running(self) -> int:
+        """Requests the engine runs at once: what one replica should admit."""
+        assert self.limits is not None, "call start() first"
+        return self.limits.max_running
+
+    @property
     def vocab_size(self) -> int:
         assert self.limits is not None, "call start() first"
         return self.limits.vocab_size
@@ -106,6 +114,7 @@ class LLMReplica:
 
         model_dir = resolve_model_dir(self.model) if self.model else default_model_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._decoder = TokenDecoder(self.tokenizer)
         use_gpu = self._uses_gpu()
         self._channel = ReplicaChannel(node_ip())
         self._group = RankGroup(
@@ -157,37 +166,58 @@ class LLMReplica:
         if reason is not None:
             raise ValueError(reason)
 
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[GenerationChunk]:
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        listener: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        """Validate the request and send it to the ranks; its output arrives in the returned stream.
+
+        The caller must `release` the stream when done with it (finished or not)."""
         await self.start()
         self.validate(prompt_token_ids, sampling)
         if self._draining:
             raise RuntimeError("the replica is shutting down and admits no new requests")
         if self._problems:
             raise RuntimeError(f"the replica is unhealthy: {'; '.join(self._problems)}")
-        assert self._channel is not None
+        assert self._channel is not None and self._decoder is not None
         rid = next(self._rids)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling.stop_strings)
-        stream = RequestStream(request_id or f"req-{rid}", rid, len(prompt_token_ids), sampling, detok)
+        detok = IncrementalDetokenizer(self._decoder, prompt_token_ids, sampling.stop_strings)
+        stream = RequestStream(
+            request_id or f"req-{rid}", rid, len(prompt_token_ids), sampling, detok, listener
+        )
         self._streams[rid] = stream
-        finished = False
         try:
             await self._channel.send(AddRequest(rid, prompt_token_ids, to_spec(sampling)))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return stream
+
+    async def release(self, stream: RequestStream) -> None:
+        """Forget a stream; if the ranks still run its request (a client gone), abort it there."""
+        if self._streams.pop(stream.rid, None) is None:
+            return
+        if not stream.scheduler_done and self._channel is not None:
+            stream.scheduler_done = True
+            with contextlib.suppress(Exception):
+                await self._channel.send(AbortRequest(stream.rid))
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        """`submit`, then each chunk as it is taken; closing the generator early aborts the request."""
+        stream = await self.submit(prompt_token_ids, sampling, request_id)
+        try:
             while True:
                 chunk = await stream.next_chunk()
-                finished = chunk.finish_reason is not None
-                if finished and chunk.finish_reason == "stop" and not stream.scheduler_done:
-                    await self._channel.send(AbortRequest(rid))  # a stop string ended it replica-side
                 yield chunk
-                if finished:
+                if chunk.finish_reason is not None:
                     return
         finally:
-            self._streams.pop(rid, None)
-            if not finished and self._channel is not None:
-                # The consumer went away (client disconnect or cancel): free the request's KV.
-                with contextlib.suppress(Exception):
-                    await self._channel.send(AbortRequest(rid))
+            await self.release(stream)
 
     async def abort(self, request_id: str) -> None:
         for rid, stream in list(self._streams.items()):
@@ -196,13 +226,22 @@ class LLMReplica:
 
     # ---- background tasks --------------------------------------------------------------------
     async def _receive_loop(self) -> None:
+        """One pass per engine step: merge every row into its stream; abort what a stop string ended."""
         assert self._channel is not None
+        channel = self._channel
         while True:
-            outputs: list[TokenOutput] = await self._channel.recv()
+            outputs: list[TokenOutput] = await channel.recv()
+            ended: list[int] = []
             for out in outputs:
                 stream = self._streams.get(out.rid)
-                if stream is not None:
-                    stream.push(out)
+                if stream is None:
+                    continue
+                stream.merge(out)
+                if stream.finished and not stream.scheduler_done:
+                    stream.scheduler_done = True  # a stop string ended it in the replica
+                    ended.append(out.rid)
+            for rid in ended:
+                await channel.send(AbortRequest(rid))
 
     async def _health_loop(self) -> None:
         while True:

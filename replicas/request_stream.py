@@ -1,8 +1,15 @@
-"""Per-request state in the replica: token outputs in, `GenerationChunk`s out."""
+"""Per-request state in the replica: a slot that the receive loop fills and the request's consumer drains.
+
+The replica's receive loop calls `merge` once per token output of an engine step: it detokenizes, checks
+stop strings and appends to the slot, with no awaiting and no queue per token. The consumer takes
+everything merged since it last read (`take`), so a client that keeps up gets one step per chunk and
+one that lags gets several steps in one.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.detokenizer import IncrementalDetokenizer
@@ -11,7 +18,7 @@ from tandem.scheduler.sampling_params import SamplingParams
 
 
 class RequestStream:
-    """Buffers one request's outputs until its consumer asks; never delays a chunk to batch it."""
+    """One request's output slot. `listener`, if set, is called whenever the slot gains output."""
 
     def __init__(
         self,
@@ -20,54 +27,82 @@ class RequestStream:
         prompt_tokens: int,
         sampling: SamplingParams,
         detok: IncrementalDetokenizer,
+        listener: Callable[[], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.want_logprobs = sampling.logprobs is not None
         self.detok = detok
+        self.listener = listener
         self.completion_tokens = 0
+        # The ranks need no abort for this request: they finished it, or were already sent one.
         self.scheduler_done = False
-        self.finished = False
-        self._queue: asyncio.Queue[TokenOutput | str] = asyncio.Queue()
+        self.finished = False  # the last output is in the slot (or was taken): nothing more will come
+        self.taken_last = False  # the consumer has taken the chunk with the finish reason
+        self._slot = self._empty()
+        self._ready = asyncio.Event()
 
-    def push(self, out: TokenOutput) -> None:
-        self._queue.put_nowait(out)
-
-    def fail(self, reason: str) -> None:
-        self._queue.put_nowait(reason)
-
-    async def next_chunk(self) -> GenerationChunk:
-        """Wait for the next output, then fold in everything else already queued."""
+    def _empty(self) -> GenerationChunk:
         chunk = GenerationChunk(self.request_id, prompt_tokens=self.prompt_tokens)
         if self.want_logprobs:
             chunk.logprobs, chunk.top_logprobs = [], []
-        self._fold(chunk, await self._queue.get())
-        while not self._queue.empty() and chunk.finish_reason is None:
-            self._fold(chunk, self._queue.get_nowait())
-        chunk.completion_tokens = self.completion_tokens
         return chunk
 
-    def _fold(self, chunk: GenerationChunk, item: TokenOutput | str) -> None:
+    # ---- the receive loop's side -------------------------------------------------------------
+    def merge(self, out: TokenOutput) -> None:
+        """Fold one token output into the slot. Ends the stream on a stop string or the rank's finish."""
         if self.finished:
             return
-        if isinstance(item, str):
-            chunk.finish_reason, chunk.error = "error", item
-            self.finished = True
-            return
-        if item.token_id is not None:
+        slot = self._slot
+        if out.token_id is not None:
             self.completion_tokens += 1
-            chunk.token_ids.append(item.token_id)
-            chunk.text += self.detok.add(item.token_id)
-            if chunk.logprobs is not None and item.logprob is not None:
-                chunk.logprobs.append(item.logprob)
-            if chunk.top_logprobs is not None:
-                chunk.top_logprobs.append(list(item.top_logprobs or []))
-        if item.finish_reason is not None:
+            slot.token_ids.append(out.token_id)
+            slot.text += self.detok.add(out.token_id)
+            if slot.logprobs is not None and out.logprob is not None:
+                slot.logprobs.append(out.logprob)
+            if slot.top_logprobs is not None:
+                slot.top_logprobs.append(list(out.top_logprobs or []))
+        if out.finish_reason is not None:
             self.scheduler_done = True
         if self.detok.stopped:
-            chunk.finish_reason = "stop"
-        elif item.finish_reason is not None:
-            chunk.finish_reason = item.finish_reason
-            chunk.text += self.detok.flush()
-        self.finished = chunk.finish_reason is not None
+            slot.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            slot.finish_reason = out.finish_reason
+            slot.text += self.detok.flush()
+        self.finished = slot.finish_reason is not None
+        self._notify()
+
+    def fail(self, reason: str) -> None:
+        if self.finished:
+            return
+        self._slot.finish_reason, self._slot.error = "error", reason
+        self.finished = True
+        self._notify()
+
+    def _notify(self) -> None:
+        self._ready.set()
+        if self.listener is not None:
+            self.listener()
+
+    # ---- the consumer's side -----------------------------------------------------------------
+    @property
+    def has_output(self) -> bool:
+        return self._ready.is_set()
+
+    def take(self) -> GenerationChunk | None:
+        """Everything merged since the last take, or None if nothing was."""
+        if not self._ready.is_set():
+            return None
+        chunk, self._slot = self._slot, self._empty()
+        self._ready.clear()
+        chunk.completion_tokens = self.completion_tokens
+        self.taken_last = chunk.finish_reason is not None
+        return chunk
+
+    async def next_chunk(self) -> GenerationChunk:
+        """Wait for output, then take all of it."""
+        await self._ready.wait()
+        chunk = self.take()
+        assert chunk is not None
+        return chunk

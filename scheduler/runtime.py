@@ -75,11 +75,27 @@ class RuntimeLimits:
     chunk_size: int
     max_seq_len: int
     vocab_size: int
+    max_running: int  # requests the scheduler runs at once; more wait in its queue
 
     def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
         return admission_error(
             self.groups, self.page_size, self.chunk_size, self.max_seq_len, prompt_len, max_tokens
         )
+
+
+# The request table's rows when nothing smaller bounds them: decode batches beyond the largest CUDA graph
+# run eagerly, and on CPU a larger batch only lengthens every step.
+MAX_RUNNING_GPU = 256
+MAX_RUNNING_CPU = 64
+
+
+def default_max_running(on_gpu: bool, options: RuntimeOptions, kv: KVManager) -> int:
+    """What the engine can run at once: the decode graphs' largest batch on GPU, and never more requests
+    than the KV pool has pages for (each running request holds at least one page of every group)."""
+    limit = MAX_RUNNING_CPU
+    if on_gpu:
+        limit = min(MAX_RUNNING_GPU, options.cuda_graph_max_bs) if options.cuda_graph else MAX_RUNNING_GPU
+    return max(1, min([limit, *(g.num_pages for g in kv.groups)]))
 
 
 class RankRuntime:
@@ -127,7 +143,7 @@ class RankRuntime:
             chunk_size=chunk,
         )
         sched_config = SchedulerConfig(
-            max_running=options.max_running or (256 if on_gpu else 64),
+            max_running=options.max_running or default_max_running(on_gpu, options, kv),
             chunk_size=chunk,
             max_seq_len=self.max_seq_len,
             prefix_cache=kv.cache is not None,
@@ -159,4 +175,5 @@ class RankRuntime:
             chunk_size=kv.chunk_size,
             max_seq_len=self.max_seq_len,
             vocab_size=self.engine.model_config.vocab_size,
+            max_running=self.scheduler.config.max_running,
         )

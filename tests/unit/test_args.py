@@ -24,8 +24,8 @@ def test_defaults() -> None:
     assert args.device == "auto"
     assert args.num_replicas is None
     assert args.autoscaling_config is None
-    assert args.max_ongoing_requests == 64
-    assert args.max_queued_requests == 256
+    assert args.max_ongoing_requests is None  # the engine's capacity, known once it runs
+    assert args.max_queued_requests is None
     assert args.placement_strategy == "STRICT_PACK"
     assert args.cpus_per_rank == 1.0
     assert args.accelerator_type is None

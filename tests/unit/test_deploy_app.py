@@ -15,13 +15,16 @@ from tandem.deploy.app import (
     ADMISSION_SLACK,
     REPLICA_CPUS,
     build_app,
+    engine_capacity_bound,
     llm_server_options,
     placement_bundles,
     resolve_device,
 )
 from tandem.deploy.args import AppArgs, AutoscalingArgs, EngineArgs
 from tandem.deploy.metrics import METRIC_NAMES, ServingMetrics
+from tandem.deploy.server import QUEUED_PER_RUNNING
 from tandem.deploy.stats import aggregate_stats
+from tandem.scheduler.runtime import MAX_RUNNING_CPU, MAX_RUNNING_GPU
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "deploy", "configs", "*.yaml")))
@@ -60,7 +63,21 @@ def test_llm_server_options_carry_the_user_settings() -> None:
     assert "num_replicas" not in options
     assert options["autoscaling_config"]["max_replicas"] == 3
     assert options["placement_group_strategy"] == "PACK"
-    assert AppArgs().max_ongoing_requests < 10_000  # unlike Ray Serve LLM's 1e9 default
+    # Unset, the bound follows the engine's capacity (unlike Ray Serve LLM's 1e9 default).
+    assert llm_server_options(AppArgs(), "cpu")["max_ongoing_requests"] < 10_000
+
+
+def test_default_admission_follows_the_engine_capacity() -> None:
+    # Before the engine starts, Serve's bound comes from what the engine could run at once: its
+    # max_running, else the largest decode graph on GPU; the replica then admits what it reports.
+    cpu = llm_server_options(AppArgs(), "cpu")["max_ongoing_requests"]
+    assert cpu == MAX_RUNNING_CPU * (1 + QUEUED_PER_RUNNING) + ADMISSION_SLACK
+    assert engine_capacity_bound(AppArgs(model="m"), "cuda") == MAX_RUNNING_GPU
+    graphs_64 = AppArgs(model="m", engine={"cuda_graph_max_bs": 64})
+    assert engine_capacity_bound(graphs_64, "cuda") == 64
+    no_graphs = AppArgs(model="m", engine={"cuda_graph": False, "cuda_graph_max_bs": 64})
+    assert engine_capacity_bound(no_graphs, "cuda") == MAX_RUNNING_GPU
+    assert engine_capacity_bound(AppArgs(engine={"max_running": 12}), "cuda") == 12
 
 
 def test_serve_admits_what_the_replica_runs_or_queues_itself() -> None:
@@ -77,7 +94,8 @@ def test_the_app_is_one_deployment_that_is_its_own_ingress() -> None:
     app = build_app(AppArgs())
     deployment = app._bound_deployment  # type: ignore[attr-defined]
     assert deployment.name == "LLMServer"
-    assert deployment.init_kwargs["max_running"] == 64 and deployment.init_kwargs["max_queued"] == 256
+    # Unset bounds reach the replica as None: it sizes admission from its engine once that is up.
+    assert deployment.init_kwargs["max_running"] is None and deployment.init_kwargs["max_queued"] is None
     assert not any(hasattr(arg, "deployment") for arg in deployment.init_args)  # no handle to a 2nd hop
 
 
@@ -150,8 +168,8 @@ def test_serving_metrics_turn_cumulative_stats_into_increments(monkeypatch: pyte
         recorder.engine_stats({"kv_pages_total": 10, "kv_pages_used": 4, "prefix_cache_hit_tokens": hits})
     assert recorder._prefix_hits.values == [5, 4]  # type: ignore[attr-defined]
     assert recorder._kv_usage.values[-1] == 0.4  # type: ignore[attr-defined]
-    recorder.inter_token(0.3, 3)
-    assert recorder._itl.values == pytest.approx([0.1, 0.1, 0.1])  # type: ignore[attr-defined]
+    recorder.inter_token(0.3, 3)  # one delta of 3 tokens: one observation of its per-token gap
+    assert recorder._itl.values == pytest.approx([0.1])  # type: ignore[attr-defined]
     recorder.generation_tokens(0)  # a Ray Counter rejects 0: nothing is recorded
     assert recorder._generation.values == []  # type: ignore[attr-defined]
 

@@ -111,7 +111,7 @@ def test_ingress_modes_set_the_ray_environment() -> None:
     from tandem.deploy.ingress_mode import HAPROXY_ENV, ray_environment
     from tandem.deploy.proxy_errors import PROXY_CALLBACK_ENV
 
-    assert build_parser().parse_args(["serve"]).ingress == "proxy"
+    assert build_parser().parse_args(["serve"]).ingress == "auto"
     assert build_parser().parse_args(["serve", "--ingress", "haproxy"]).ingress == "haproxy"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--ingress", "nginx"])
@@ -120,3 +120,35 @@ def test_ingress_modes_set_the_ray_environment() -> None:
     assert PROXY_CALLBACK_ENV in proxy and PROXY_CALLBACK_ENV in haproxy  # the proxy stays as a fallback
     with pytest.raises(ValueError, match="ingress must be one of"):
         ray_environment("nginx")
+    # HAProxy's files go to the server's own directory, never Ray's shared /tmp/haproxy-serve.
+    private = ray_environment("haproxy", "/run/x")
+    assert private["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"] == "/run/x/haproxy.cfg"
+    assert all(v.startswith("/run/x") for k, v in private.items() if k.startswith("RAY_SERVE_HAPROXY_"))
+
+
+def test_auto_ingress_takes_haproxy_only_when_ray_finds_its_binary(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.deploy import ingress_mode
+
+    monkeypatch.setattr(ingress_mode, "haproxy_binary", lambda: "/opt/haproxy")
+    assert ingress_mode.resolve_ingress("auto")[0] == "haproxy"
+    assert ingress_mode.resolve_ingress("proxy")[0] == "proxy"
+    monkeypatch.setattr(ingress_mode, "haproxy_binary", lambda: None)
+    assert ingress_mode.resolve_ingress("auto") == ("proxy", "no HAProxy binary found")
+    # On this machine, whatever Ray would run is what `auto` reports.
+    monkeypatch.undo()
+    found = ingress_mode.haproxy_binary()
+    assert ingress_mode.resolve_ingress("auto")[0] == ("haproxy" if found else "proxy")
+
+
+def test_a_taken_port_is_named_with_its_holder() -> None:
+    import socket
+
+    from tandem.deploy.processes import port_holder
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        holder = port_holder("127.0.0.1", port)
+        assert holder is not None and "in use" in holder.lower()
+    assert port_holder("127.0.0.1", port) is None

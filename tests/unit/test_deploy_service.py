@@ -1,4 +1,4 @@
-"""Issue 5: the OpenAI service and the LLMServer request path, in process, over a scripted replica.
+"""The OpenAI service and the LLMServer request path, in process, over a scripted replica.
 
 No Ray here: `GenerationService` runs on `FakeReplica`, and `OpenAIService` talks to it through an
 in-process backend, so protocol logic (usage, n, logprobs, SSE, errors, cancellation) is tested fast.
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import httpx
@@ -18,19 +17,38 @@ import pytest
 from tandem.deploy.errors import OpenAIError, overloaded
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
-from tandem.deploy.jobs import GenerateJob, JobEvent
+from tandem.deploy.job_run import JobRun
+from tandem.deploy.jobs import GenerateJob, JobRejected
 from tandem.deploy.metrics import NullMetrics
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.service import OpenAIService
 from tandem.engine.tiny import load_tiny_tokenizer
-from tandem.replicas.chunks import GenerationChunk
+from tandem.replicas.request_stream import RequestStream
+from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.sampling_params import SamplingParams
 
 MODEL = "fake"
+STEP_S = 0.0005
+
+
+class FakeText:
+    """Stands in for the detokenizer: token `i` reads `t<i> `."""
+
+    stopped = False
+    text = ""
+
+    def add(self, token_id: int) -> str:
+        return f"t{token_id} "
+
+    def flush(self) -> str:
+        return ""
 
 
 class FakeReplica:
-    """Yields one token per chunk: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `."""
+    """Emits one token per step: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `.
+
+    A step is a short sleep, as an engine step is: a producer that set the job's event on every loop
+    turn would keep anyio's cancellation of a disconnected response from ever finding it waiting."""
 
     max_model_len = 64
 
@@ -40,6 +58,7 @@ class FakeReplica:
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.prompts: list[list[int]] = []
+        self._tasks: dict[int, asyncio.Task[None]] = {}
 
     def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
         total = prompt_len + max_tokens
@@ -50,38 +69,49 @@ class FakeReplica:
         if 13 in prompt_token_ids:
             raise ValueError("token 13 is unlucky")
 
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
-    ) -> AsyncGenerator[GenerationChunk, None]:
-        rid = request_id or "r"
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        listener: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        rid = len(self.prompts)
         self.prompts.append(prompt_token_ids)
-        self.active.add(rid)
-        finished = False
-        try:
-            for step in range(sampling.max_tokens):
-                await asyncio.sleep(0)
-                if self.failure is not None and step == 1:
-                    finished = True
-                    yield GenerationChunk(rid, finish_reason="error", error=self.failure)
-                    return
-                token = (sum(prompt_token_ids) + step + (sampling.seed or 0)) % 200 + 3
-                last = step == sampling.max_tokens - 1
-                top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
-                yield GenerationChunk(
-                    rid,
-                    [token],
-                    text=f"t{token} ",
-                    logprobs=[-0.5] if sampling.logprobs is not None else None,
-                    top_logprobs=[top] if sampling.logprobs is not None else None,
-                    finish_reason="length" if last else None,
-                    prompt_tokens=len(prompt_token_ids),
-                    completion_tokens=step + 1,
+        stream = RequestStream(
+            request_id or "r", rid, len(prompt_token_ids), sampling, FakeText(), listener  # type: ignore[arg-type]
+        )
+        self.active.add(stream.request_id)
+        self._tasks[rid] = asyncio.create_task(self._produce(stream, prompt_token_ids, sampling))
+        return stream
+
+    async def _produce(self, stream: RequestStream, prompt: list[int], sampling: SamplingParams) -> None:
+        for step in range(sampling.max_tokens):
+            await asyncio.sleep(STEP_S)
+            if self.failure is not None and step == 1:
+                stream.fail(self.failure)
+                return
+            token = (sum(prompt) + step + (sampling.seed or 0)) % 200 + 3
+            last = step == sampling.max_tokens - 1
+            top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
+            stream.merge(
+                TokenOutput(
+                    stream.rid,
+                    token,
+                    "length" if last else None,
+                    -0.5 if sampling.logprobs is not None else None,
+                    top if sampling.logprobs is not None else None,
                 )
-            finished = True
-        finally:
-            self.active.discard(rid)
-            if not finished:
-                self.aborted.append(rid)
+            )
+
+    async def release(self, stream: RequestStream) -> None:
+        task = self._tasks.pop(stream.rid, None)
+        if task is None:
+            return
+        task.cancel()
+        self.active.discard(stream.request_id)
+        if not stream.finished:
+            self.aborted.append(stream.request_id)
 
 
 class InProcessBackend:
@@ -89,12 +119,10 @@ class InProcessBackend:
         self.generation = GenerationService(replica, NullMetrics())
         self.fail_with = fail_with
 
-    async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
+    async def start(self, job: GenerateJob) -> JobRun | JobRejected:
         if self.fail_with is not None:
             raise self.fail_with
-        async with aclosing(self.generation.run(job)) as events:  # as ReplicaBackend closes the job
-            async for event in events:
-                yield event
+        return await self.generation.start(job)
 
     async def replica_stats(self) -> list[dict[str, Any]]:
         return [{"kv_pages_used": 1, "num_running": 2, "kv_pages_used_per_group": [1]}] * 2
@@ -113,7 +141,8 @@ def run(coro: Any) -> Any:
 
 
 async def collect(stream: Any) -> list[dict[str, Any]]:
-    return [chunk async for chunk in stream]
+    """A service stream's chunks, its batches flattened."""
+    return [chunk async for batch in stream for chunk in batch]
 
 
 def test_completion_usage_logprobs_and_n() -> None:
@@ -364,3 +393,28 @@ def test_sse_cancelled_from_outside_stays_cancelled_and_aborts_the_request() -> 
     assert isinstance(raised, asyncio.CancelledError)  # only the response's own cancel is absorbed
     assert 1 <= len(parts) < 50
     assert replica.aborted and not replica.active
+
+
+def test_the_admission_slot_is_freed_when_the_last_token_arrives_not_when_it_is_read() -> None:
+    """A slow client must not hold the engine's batch: its slot goes back once the engine is done."""
+    from tandem.deploy.admission import Admission
+    from tandem.deploy.replica_backend import ReplicaBackend
+
+    replica = FakeReplica()
+    admission = Admission(max_running=1, max_queued=4)
+    service = OpenAIService(ReplicaBackend(GenerationService(replica, NullMetrics()), admission), MODEL)
+
+    async def go() -> list[dict[str, Any]]:
+        stream = await service.completions(CompletionRequest(prompt="x", max_tokens=5, stream=True))
+        assert admission.running == 1
+        for _ in range(200):  # the fake engine finishes its 5 steps; nobody reads the stream
+            if admission.running == 0:
+                break
+            await asyncio.sleep(STEP_S)
+        assert admission.running == 0
+        chunks = await collect(stream)  # everything is still there for the late reader
+        return chunks
+
+    chunks = run(go())
+    assert "".join(c["choices"][0]["text"] for c in chunks).count("t") == 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -139,7 +139,7 @@ def _values_for(helm_kit: Any, args: AppArgs) -> dict[str, Any]:
     for field, key in _TOP_LEVEL.items():
         if field in given:
             values[key] = given.pop(field)
-    values["serve"] = {key: given.pop(field) for field, key in _SERVE.items()}
+    values["serve"] = {key: given.pop(field) for field, key in _SERVE.items() if field in given}
     values["engine"] = {
         key: value
         for field, key in _ENGINE.items()

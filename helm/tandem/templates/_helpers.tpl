@@ -84,8 +84,12 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
 {{- $_ := set $args "tp_size" (int $v.tensorParallelSize) }}
 {{- $_ := set $args "device" "cuda" }}
 {{- $_ := set $args "engine" $engine }}
+{{- if not (kindIs "invalid" $v.serve.maxOngoingRequests) }}
 {{- $_ := set $args "max_ongoing_requests" (int $v.serve.maxOngoingRequests) }}
+{{- end }}
+{{- if not (kindIs "invalid" $v.serve.maxQueuedRequests) }}
 {{- $_ := set $args "max_queued_requests" (int $v.serve.maxQueuedRequests) }}
+{{- end }}
 {{- $_ := set $args "placement_strategy" $v.serve.placementStrategy }}
 {{- $_ := set $args "cpus_per_rank" (float64 $v.serve.cpusPerRank) }}
 {{- with $v.servedModelName }}
