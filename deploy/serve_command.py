@@ -184,7 +184,8 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
     print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
     # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
-    state_dir = tempfile.mkdtemp(prefix="tandem-haproxy-")
+    # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
+    state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     for key, value in ray_environment(mode, state_dir).items():
         os.environ[key] = value
     ray.init(num_cpus=num_cpus, _metrics_export_port=metrics_port)

@@ -1,5 +1,6 @@
-"""Issue 5: `tandem serve` with no arguments serves the embedded tiny model on CPU (the README's first
-command). It runs as a real subprocess that starts its own Ray instance."""
+"""`tandem serve` with no arguments serves the embedded tiny model on CPU (the README's first command);
+with HAProxy it leaves nothing behind that could answer for a later server; a taken port is refused at
+once. Each run is a real subprocess that starts its own Ray instance."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def _free_port() -> int:
 def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """Run `tandem serve` + extra as a subprocess; yield (base URL ending in /v1, stderr file)."""
     command = ["tandem", "serve", *extra]
-    if not (_is_free(DEFAULT_PORT) and _is_free(DEFAULT_METRICS_PORT)):
-        # Something else holds the defaults on this machine; only then pass ports.
-        command += ["--port", str(_free_port()), "--metrics-port", str(_free_port())]
+    # Something else may hold the defaults on this machine; only then pass ports.
+    if "--port" not in extra and not _is_free(DEFAULT_PORT):
+        command += ["--port", str(_free_port())]
+    if not _is_free(DEFAULT_METRICS_PORT):
+        command += ["--metrics-port", str(_free_port())]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a fresh local Ray
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
@@ -84,18 +87,26 @@ def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -
         assert "loading 'tandem-tiny'" in stderr_path.read_text()  # progress while the model loads
 
 
-def _haproxy_running() -> bool:
+def _haproxy_pids() -> set[int]:
+    pids = set()
     for comm in Path("/proc").glob("[0-9]*/comm"):
         with contextlib.suppress(OSError):
             if comm.read_text().strip() == "haproxy":
-                return True
-    return False
+                pids.add(int(comm.parent.name))
+    return pids
+
+
+def _haproxy_running() -> bool:
+    return bool(_haproxy_pids())
 
 
 def test_haproxy_ingress_serves_streams_without_the_python_proxy(tmp_path: Path) -> None:
-    """`--ingress haproxy`: Ray's HAProxy on the app port, straight to the replica's own HTTP server."""
-    with tandem_serve(["--ingress", "haproxy"], tmp_path) as (url, _):
-        assert _haproxy_running()
+    """`--ingress haproxy`: Ray's HAProxy on the app port, straight to the replica's own HTTP server.
+    Then a proxy-mode server on the same port: the first left nothing behind that could answer for it."""
+    before = _haproxy_pids()
+    port = str(_free_port())
+    with tandem_serve(["--ingress", "haproxy", "--port", port], tmp_path) as (url, _):
+        assert _haproxy_pids() - before
         client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
         stream = client.completions.create(
             model="tandem-tiny", prompt="The fox", max_tokens=12, stream=True, temperature=0
@@ -107,3 +118,23 @@ def test_haproxy_ingress_serves_streams_without_the_python_proxy(tmp_path: Path)
         with pytest.raises(openai.NotFoundError) as caught:
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         assert isinstance(caught.value.body, dict) and "message" in caught.value.body
+    assert not (_haproxy_pids() - before)  # no HAProxy outlives its server, to keep the port
+    assert _is_free(int(port))
+    with tandem_serve(["--ingress", "proxy", "--port", port], tmp_path) as (url, _):
+        client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
+        reply = client.completions.create(model="tandem-tiny", prompt="The fox", max_tokens=4)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_taken_port_is_refused_at_once(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        done = subprocess.run(
+            ["tandem", "serve", "--port", str(port)], capture_output=True, text=True, env=env, timeout=60
+        )
+    assert done.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in done.stderr and f"pid {os.getpid()}" in done.stderr
+    assert "started a local Ray" not in done.stderr  # said before Ray starts
