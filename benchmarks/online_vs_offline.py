@@ -243,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: online, vocab {vocab}", flush=True)
         online = run_online(model_dir, args.num_seqs, vocab, args.max_len, args.solo_requests)
         sides[name] = {"vocab": vocab, "offline": offline, "online": online}
+        # Each case is kept as soon as it is measured: a later case that runs out of time loses only itself.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(f".{name}.json").write_text(json.dumps(sides[name], indent=2) + "\n")
+        loaded = online["concurrent"]
+        print(
+            f"== {name}: offline {offline['tok_s']} tok/s, online {loaded['output_throughput']} tok/s, "
+            f"ratio {loaded['output_throughput'] / offline['tok_s']:.3f}, TTFT p50/p99 "
+            f"{loaded['ttft_ms']['p50']}/{loaded['ttft_ms']['p99']} ms, "
+            f"{loaded['tokens_per_event']} tok/event, failed {loaded['failed']}",
+            flush=True,
+        )
 
     main_case = sides["main"]
     offline_tok_s = main_case["offline"]["tok_s"]

@@ -188,7 +188,9 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
     state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     for key, value in ray_environment(mode, state_dir).items():
         os.environ[key] = value
-    ray.init(num_cpus=num_cpus, _metrics_export_port=metrics_port)
+    # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
+    # without its web assets waits a minute for it at start. Metrics export does not need it.
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port)
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "
         f"http://127.0.0.1:{metrics_port}/metrics",
