@@ -95,6 +95,9 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     error: str | None = None
+    # A model whose LM head is wider than its tokenizer may stream tokens that are no text at all; for it,
+    # a stream that ended with [DONE] and usage is complete even with no content chunk.
+    allow_empty: bool = False
     _usage_tokens: int | None = None
     _done: bool = False
 
@@ -135,7 +138,7 @@ class RequestResult:
         self.output_tokens = self._usage_tokens if self._usage_tokens is not None else len(self.chunk_times)
         if self.error is None and not self._done:
             self.fail("the stream ended without [DONE]")
-        if self.error is None and not self.chunk_times:
+        if self.error is None and not self.chunk_times and not (self.allow_empty and self._usage_tokens):
             self.fail("the stream carried no content")
 
     @property
@@ -265,11 +268,17 @@ def request_body(spec: RequestSpec, model: str, endpoint: str, temperature: floa
 
 
 async def send_request(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], input_len: int, timeout_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    input_len: int,
+    timeout_s: float,
+    *,
+    allow_empty: bool = False,
 ) -> RequestResult:
     """Send one streaming request and time its chunks. Never raises for a failed request: the failure
     is in `result.error`."""
-    result = RequestResult(send_time=time.perf_counter(), input_len=input_len)
+    result = RequestResult(send_time=time.perf_counter(), input_len=input_len, allow_empty=allow_empty)
     try:
         await asyncio.wait_for(_stream(session, url, body, result), timeout=max(timeout_s, 0.0))
     except asyncio.TimeoutError:
@@ -337,7 +346,8 @@ def summarize(
     """The figures of one sweep point. Rates are over `duration_s`, the point's wall time."""
     done = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
-    tpots = [t for t in (r.tpot for r in done) if t is not None]
+    timed = [r for r in done if r.chunk_times]  # an empty stream (allow_empty) has no TTFT, ITL or TPOT
+    tpots = [t for t in (r.tpot for r in timed) if t is not None]
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
     output_tokens = sum(r.output_tokens for r in done)
     return {
@@ -348,11 +358,11 @@ def summarize(
         "duration_s": round(duration_s, 3),
         "request_throughput": round(len(done) * per_s, 4),
         "output_throughput": round(output_tokens * per_s, 3),
-        "goodput": round(sum(meets_slo(r, ttft_slo_ms, tpot_slo_ms) for r in done) * per_s, 4),
+        "goodput": round(sum(meets_slo(r, ttft_slo_ms, tpot_slo_ms) for r in timed) * per_s, 4),
         "total_output_tokens": output_tokens,
         "total_input_tokens": sum(r.prompt_tokens or r.input_len for r in done),
-        "ttft_ms": latency_stats(r.ttft for r in done),
+        "ttft_ms": latency_stats(r.ttft for r in timed),
         "tpot_ms": latency_stats(tpots),
-        "itl_ms": latency_stats(itl for r in done for itl in r.itls),
+        "itl_ms": latency_stats(itl for r in timed for itl in r.itls),
         "e2e_ms": latency_stats(r.e2e for r in done),
     }
