@@ -1,4 +1,4 @@
-"""Issue 2: each of the six families matches HF transformers on the same weights (CPU, float32)."""
+"""Each of the six families matches HF transformers on the same weights (CPU, float32)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.streams import StreamSet
+from tandem.engine.tiny import default_model_dir
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 PROMPT_LENS = [3, 13, 60, 7, 33, 21]
@@ -103,3 +104,24 @@ def test_window_models_generate_far_past_window(family: str, tiny_model_dir) -> 
             ref = hf(ids).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
             assert o.token_ids == ref
             assert len(o.token_ids) == 128
+
+
+def test_demo_model_answers_in_words_and_matches_hf() -> None:
+    """The model `tandem serve` serves by default was trained to write words: its greedy chat answer is
+    readable text (no byte noise or control characters), and the engine's tokens equal transformers'."""
+    model_dir = default_model_dir()
+    llm = LLM(str(model_dir), device="cpu")
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello!"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    out = llm.generate([list(prompt)], SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"  # it learned to end its answer with <|im_end|>
+    assert out.token_ids == hf_greedy(model_dir, [list(prompt)], 48)[0]
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert all(ch.isprintable() or ch == "\n" for ch in text), repr(text)
+    words = text.split()
+    assert len(words) >= 4, repr(text)
+    # Words, not noise: nearly every word is letters with at most some punctuation around it.
+    wordlike = [w for w in words if w.strip(".,;:!?'\"()-").isalpha()]
+    assert len(wordlike) >= 0.8 * len(words), repr(text)

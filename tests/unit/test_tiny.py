@@ -155,16 +155,23 @@ def test_chat_template(tiny_model_dir: TinyDir) -> None:
     assert ids[0] == IM_START and ids[-1] == tok.encode("\n", add_special_tokens=False)[-1]
 
 
-def test_default_model_dir_is_idempotent(tmp_path: Path) -> None:
-    target = tmp_path / "cache" / "tiny-default"
-    target.mkdir(parents=True)  # an empty, incomplete dir is replaced, not trusted
-    first = default_model_dir(target)
-    assert first == target
-    stamp = {p.name: p.stat().st_mtime_ns for p in target.iterdir()}
-    assert default_model_dir(target) == first
-    assert {p.name: p.stat().st_mtime_ns for p in target.iterdir()} == stamp
-    assert [p.name for p in target.parent.iterdir()] == ["tiny-default"]  # no temp dirs left behind
-    assert json.loads((target / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+def test_demo_model_ships_small_with_a_printable_tokenizer() -> None:
+    """The default model is a trained Llama under 2 MB whose every token renders as printable text (or a
+    newline): a character BPE, no byte-level alphabet whose lone bytes would print as control characters."""
+    model_dir = default_model_dir()
+    assert (model_dir / "model.safetensors").stat().st_size <= 2 * 1024 * 1024
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    special = set(tok.all_special_ids)
+    for tid in range(len(tok)):
+        if tid not in special:
+            text = tok.decode([tid])
+            assert text and all(ch.isprintable() or ch == "\n" for ch in text), (tid, text)
+    msgs = [{"role": "user", "content": "Hello!"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert tok.decode(ids) == text  # the template's text round-trips through the tokenizer
 
 
 def _last_logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
