@@ -82,7 +82,7 @@ def check_error() -> Callable[[dict[str, Any]], dict[str, Any]]:
     return error_of
 
 
-# ---- issue 8: outcomes, Ray actor processes and measured figures ------------------------------------
+# ---- reliability: outcomes, Ray actor processes and measured figures -------------------------------
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Issue 5: `tandem serve` with no arguments serves the embedded tiny model on CPU (the README's first
+"""`tandem serve` with no arguments serves the demo model on CPU (the README's first
 command). It runs as a real subprocess that starts its own Ray instance."""
 
 from __future__ import annotations

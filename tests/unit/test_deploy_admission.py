@@ -1,4 +1,4 @@
-"""Issue 8: in-app admission of the one-hop LLMServer, and the proxy middleware for replica failures."""
+"""In-app admission of the one-hop LLMServer, and the proxy middleware for replica failures."""
 
 from __future__ import annotations
 

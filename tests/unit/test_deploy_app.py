@@ -1,4 +1,4 @@
-"""Issue 5: the app builder's deployment options, the example configs, stats, metrics and the docs."""
+"""The app builder's deployment options, the example configs, stats, metrics and the docs."""
 
 from __future__ import annotations
 

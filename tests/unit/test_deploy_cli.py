@@ -1,4 +1,4 @@
-"""Issue 5: the `tandem` command line: parsing, config files, overrides and progress output."""
+"""The `tandem` command line: parsing, config files, overrides and progress output."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: OpenAI request validation, the 400 error shape, and request -> GenerateJob / SamplingParams."""
+"""OpenAI request validation, the 400 error shape, and request -> GenerateJob / SamplingParams."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: the OpenAI service and the LLMServer request path, in process, over a scripted replica.
+"""The OpenAI service and the LLMServer request path, in process, over a scripted replica.
 
 No Ray here: `GenerationService` runs on `FakeReplica`, and `OpenAIService` talks to it through an
 in-process backend, so protocol logic (usage, n, logprobs, SSE, errors, cancellation) is tested fast.

@@ -1,4 +1,5 @@
-"""Issue 6, CPU side: which batch sizes and token counts get CUDA graphs, and how batches are padded."""
+"""The GPU path, checked on CPU: which batch sizes and token counts get CUDA graphs, and how batches
+are padded."""
 
 from __future__ import annotations
 

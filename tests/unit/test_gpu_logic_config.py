@@ -1,4 +1,4 @@
-"""Issue 6, CPU side: switch resolution, recorded switches, and the lazy flashinfer import."""
+"""The GPU path, checked on CPU: switch resolution, recorded switches, and the lazy flashinfer import."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 6, CPU side: what FlashInferBackend plans, checked against the torch reference.
+"""The GPU path, checked on CPU: what FlashInferBackend plans, checked against the torch reference.
 
 A stand-in `flashinfer` module implements the documented semantics of the two paged wrappers (CSR page
 lists, last-page lengths, bottom-right causal masks, inclusive `window_left`, soft-capping, graph-mode

@@ -1,4 +1,5 @@
-"""Issue 6, CPU side: the paged-KV page lists the flashinfer backend plans from, and its kernel params."""
+"""The GPU path, checked on CPU: the paged-KV page lists the flashinfer backend plans from, and its
+kernel params."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 6, CPU side: the piecewise runner's pieces, static buffers and padding, run eagerly.
+"""The GPU path, checked on CPU: the piecewise runner's pieces, static buffers and padding, run eagerly.
 
 On CPU the runner executes its pieces without capturing them (`use_graphs=False`), over the same
 static buffers the GPU graphs use, so this checks the plumbing the graphs replay: the chain of

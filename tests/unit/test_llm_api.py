@@ -1,4 +1,4 @@
-"""Issue 3: the offline API's edges: bad input, stops, aborts, seeds and logprobs."""
+"""The offline API's edges: bad input, stops, aborts, seeds and logprobs."""
 
 from __future__ import annotations
 

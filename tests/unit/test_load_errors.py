@@ -1,4 +1,4 @@
-"""Issue 2: bad model directories fail with errors that name the problem."""
+"""Bad model directories fail with errors that name the problem."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3: the same greedy tokens as HF, and as each other, across every scheduler setting."""
+"""The same greedy tokens as HF, and as each other, across every scheduler setting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3: prefix reuse, no leaks under a tight pool, bounded window pages, the deferred-free rule."""
+"""Prefix reuse, no leaks under a tight pool, bounded window pages, the deferred-free rule."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 2: TP=2 over gloo (two processes) gives the same tokens as TP=1."""
+"""TP=2 over gloo (two processes) gives the same tokens as TP=1."""
 
 from __future__ import annotations
 
