@@ -59,7 +59,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
 def resolve_device(args: AppArgs) -> str:
     """'cpu' or 'cuda'. The placement bundles need to know now whether ranks take a GPU.
 
-    'auto' is CPU for the embedded tiny model; otherwise CUDA when the Ray cluster (or, without one, this
+    'auto' is CPU for the demo model; otherwise CUDA when the Ray cluster (or, without one, this
     machine) has a GPU. A cluster whose GPU nodes autoscale from zero shows none yet: set `device: cuda`.
     """
     if args.device != "auto":

@@ -12,7 +12,7 @@ among its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax
 
 The draw is exact, like the torch race: argmax(logit / T - log E) with E ~ Exp(1) is a sample from
 softmax(logit / T), and it depends only on the row's seed and step, so every TP rank draws the same
-token. In Triton's CPU interpreter it picks the torch race's token (tests/unit/test_triton_sample.py);
+token. In Triton's CPU interpreter it picks the torch race's token (tests/kernels/test_triton_sample.py);
 on a GPU `log` rounds differently, so near-ties may go the other way. Triton ships with CUDA builds of
 torch; this module is imported only on CUDA.
 """

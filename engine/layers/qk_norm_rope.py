@@ -19,7 +19,7 @@ it the new tokens' slots (`AttentionBackend.new_kv_slots`): flashinfer's decode 
 Numerics follow the flashinfer chain: each norm is computed in float32 and rounded once to the output
 dtype (the Gemma form scales by 1 + w), and the rope rotates those rounded values in float32 with the
 shared cos/sin table (`FusedKernels.cos_sin_table`: cos in the first half, sin in the second). Checked
-against the torch reference in Triton's CPU interpreter (tests/unit/test_triton_qk_norm_rope.py) and
+against the torch reference in Triton's CPU interpreter (tests/kernels/test_triton_qk_norm_rope.py) and
 on the GPU (tests/gpu/test_fused_kernels.py).
 
 Triton ships with CUDA builds of torch; this module is imported only on CUDA, never on CPU.

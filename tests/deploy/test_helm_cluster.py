@@ -2,7 +2,7 @@
 worker pod gets exactly one tensor-parallel group of GPUs; secrets, the model cache, metrics annotations
 and NOTES; and the values schema and template checks that reject bad values.
 
-The chart, its value sets and the render helpers come from tests/unit/conftest.py (`chart`, `helm_kit`,
+The chart, its value sets and the render helpers come from tests/deploy/conftest.py (`chart`, `helm_kit`,
 `helm_values`); the serveConfigV2 side is in test_helm_serve_config.py.
 """
 

@@ -84,6 +84,6 @@ def test_flashinfer_only_for_head_sizes_it_serves() -> None:
     cuda = torch.device("cuda")  # a device object only; nothing runs on it
     with pytest.raises(ValueError, match="head_dim"):
         resolve_backend("flashinfer", cuda, 16)
-    assert resolve_backend("auto", cuda, 16) == "torch"  # the embedded tiny models
+    assert resolve_backend("auto", cuda, 16) == "torch"  # the tiny test models
     assert resolve_backend("torch", cuda, 128) == "torch"
     assert resolve_backend("auto", torch.device("cpu"), 128) == "torch"

@@ -1,5 +1,4 @@
-"""Shared unit-test fixtures: the KubeRay Helm chart (helm/tandem) and its render helpers, and a runner
-for Triton kernels in Triton's CPU interpreter.
+"""Fixtures of the deploy tests: the KubeRay Helm chart (helm/tandem) and its render helpers.
 
 The test_helm_* modules render the chart with the real Helm engine (helm-python-sdk, offline) and reach
 the helpers below through the `helm_kit` fixture, the value sets through `helm_values`.
@@ -8,11 +7,8 @@ the helpers below through the `helm_kit` fixture, the value sets through `helm_v
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -154,24 +150,3 @@ def chart() -> Iterator[helm.Chart]:
 
     with helm.Chart.load(CHART_DIR) as loaded:
         yield loaded
-
-
-@pytest.fixture
-def triton_interpreter() -> Callable[[str, object], Any]:
-    """`run(script, arg)`: run `script` with json(arg) as argv[1] under TRITON_INTERPRET=1 and return the
-    JSON its last output line holds. Skips without Triton (CI: CPU torch does not bring it). A process
-    of its own, because the interpreter patches triton.language globally when a kernel is decorated."""
-    pytest.importorskip("triton")
-
-    def run(script: str, arg: object) -> Any:
-        done = subprocess.run(
-            [sys.executable, "-c", script, json.dumps(arg)],
-            env={**os.environ, "TRITON_INTERPRET": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    return run

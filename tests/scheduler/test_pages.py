@@ -1,3 +1,6 @@
+"""The page allocator: exact counts, FIFO reuse that delays just-freed pages, clear errors on exhaustion,
+double frees and bad ids, and the same pages from every instance."""
+
 import pytest
 
 from tandem.scheduler.pages import OutOfPages, PageAllocator

@@ -82,7 +82,7 @@ def test_the_app_is_one_deployment_that_is_its_own_ingress() -> None:
 
 
 def test_device_resolution() -> None:
-    assert resolve_device(AppArgs()) == "cpu"  # the embedded tiny model runs on CPU
+    assert resolve_device(AppArgs()) == "cpu"  # the demo model runs on CPU
     assert resolve_device(AppArgs(model="m", device="cuda")) == "cuda"
     assert resolve_device(AppArgs(model="m", device="cpu")) == "cpu"
 

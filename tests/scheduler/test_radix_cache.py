@@ -1,3 +1,6 @@
+"""The radix prefix cache: whole-page matches and splits, locked pages never evicted, LRU eviction from the
+leaves up, and deterministic results."""
+
 from dataclasses import dataclass
 
 import pytest

@@ -2,7 +2,7 @@
 offline): the rendered config must be a valid Serve config whose args the project's own `AppArgs`
 schema accepts, and every `AppArgs` field must be expressible as chart values.
 
-The chart, its value sets and the render helpers come from tests/unit/conftest.py (`chart`, `helm_kit`,
+The chart, its value sets and the render helpers come from tests/deploy/conftest.py (`chart`, `helm_kit`,
 `helm_values`); the RayCluster side is in test_helm_cluster.py.
 """
 

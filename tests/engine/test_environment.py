@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tandem.engine.environment import cache_home, ray_address
+from tandem.engine.environment import ray_address
 
 
 def test_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,10 +14,3 @@ def test_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ray_address() is None  # empty means unset, as for `ray.init`
     monkeypatch.delenv("RAY_ADDRESS")
     assert ray_address() is None
-
-
-def test_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cache_home() == tmp_path
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert cache_home() == Path.home() / ".cache"
