@@ -55,12 +55,16 @@ def test_wheel_has_every_package_and_data_file(tmp_path: Path) -> None:
     )
     code = (
         "import tandem, tandem.engine.tiny as t; from tandem import LLM, SamplingParams;"
-        "print(tandem.__file__); print(len(t.load_tiny_tokenizer()))"
+        "from transformers import AutoTokenizer;"
+        "print(tandem.__file__); print(len(t.load_tiny_tokenizer()));"
+        "print(t.default_model_dir()); print(len(AutoTokenizer.from_pretrained(t.default_model_dir())))"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    file_line, vocab_line = out.stdout.split()
+    file_line, vocab_line, demo_line, demo_vocab_line = out.stdout.split()
     assert file_line.startswith(str(target))
     assert int(vocab_line) == 512
+    assert demo_line.startswith(str(target))  # the demo model is served from the installed package
+    assert int(demo_vocab_line) == 1024
