@@ -47,6 +47,6 @@ WORKDIR /home/ray
 EXPOSE 8000 8265 6379 10001 8080
 
 # Outside Kubernetes: `docker run --gpus all -p 8000:8000 IMAGE tandem serve --model M --device cuda`
-# (with no arguments it serves the embedded tiny model, a smoke test).
+# (with no arguments it serves the demo model, a smoke test).
 # KubeRay replaces this command with `ray start`.
 CMD ["tandem", "serve"]

@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model).generate(prompts, sampling)` (ARCHITECTURE §6)."""
+"""The offline API: `LLM(model).generate(prompts, sampling)`, a public contract."""
 
 from __future__ import annotations
 

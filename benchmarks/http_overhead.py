@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     result = asyncio.run(measure(args))
-    config = {"model": "embedded tiny model", "prompt_len": 32, "max_tokens": 4, "requests": args.requests}
+    config = {"model": "demo model", "prompt_len": 32, "max_tokens": 4, "requests": args.requests}
     path = write_result(
         f"http-overhead-{args.tag}",
         {"config": config, **result},

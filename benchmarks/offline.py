@@ -1,6 +1,6 @@
 """Offline throughput: a fixed batch of random requests through `tandem.LLM`, with ablations.
 
-The workload (ARCHITECTURE section 4's benchmark; nano-vllm's bench.py, draw for draw): 256 sequences,
+The workload (nano-vllm's bench.py, draw for draw): 256 sequences,
 prompt lengths U(100, 1024) of random ids up to 10000, output lengths U(100, 1024) (133,966 tokens),
 random.seed(0), ignore_eos, temperature 0.6, on a
 Qwen3-0.6B-shaped model with random bf16 weights. Reported: output tokens/s per switch setting, and

@@ -1,8 +1,8 @@
 """Time to first token inside one rank: a `RankRuntime` driven in this process, no Ray, no channel.
 
 The serve-overhead benchmark compares HTTP against `LLMReplica.generate`, and both share the rank's own
-first-token time. On an H200 that in-process time was 6-9 ms for the embedded tiny model, more than the
-overhead being measured, and it moved between runs. This splits it: sequential requests at low load,
+first-token time, which can be larger than the overhead being measured and moves between runs
+(docs/serve-config.md#serve-overhead). This splits it: sequential requests at low load,
 the time from handing the request to the loop until the loop emits its first token, how many loop steps
 that took, and the loop's phases per step (schedule, launch, process_results with `wait` inside it).
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    config = vars(args) | {"out_dir": str(args.out_dir), "model": "embedded tiny model"}
+    config = vars(args) | {"out_dir": str(args.out_dir), "model": "demo model"}
     payload = {"config": config, "rows": rows}
     path = write_result(
         f"rank-ttft-{args.device}", payload, device=torch.device(args.device), out_dir=args.out_dir

@@ -15,7 +15,7 @@ import aiohttp
 
 from tandem.benchmarks.loadgen import latency_stats, request_body, send_request, synthetic_requests
 
-SERVE_OVERHEAD_TARGET_MS = 2.0  # at p50, on GPU (ARCHITECTURE §3)
+SERVE_OVERHEAD_TARGET_MS = 2.0  # at p50, on GPU: a tenth of what Ray Serve LLM adds
 OVERHEAD_SEED = 2_000_003  # distinct from the sweep's and the warm-up's prompts: none is cached
 
 

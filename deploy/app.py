@@ -30,8 +30,8 @@ DRAIN_TIMEOUT_S = 30.0
 HEALTH_CHECK_PERIOD_S = 2.0
 # Serve runs a replica's user code on an event loop in a thread of its own by default, so every request
 # and every streamed chunk crosses threads. The LLMServer blocks its loop only briefly (tokenizing; the
-# model runs in the rank actors), so it runs on the replica's main loop: about 0.5 ms less time to first
-# token (docs/serve-config.md#serve-overhead). The ranks inherit the variable and ignore it.
+# model runs in the rank actors), so it runs on the replica's main loop, saving a thread hop per request
+# and per chunk. The ranks inherit the variable and ignore it.
 REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
@@ -60,7 +60,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
 def resolve_device(args: AppArgs) -> str:
     """'cpu' or 'cuda'. The placement bundles need to know now whether ranks take a GPU.
 
-    'auto' is CPU for the embedded tiny model; otherwise CUDA when the Ray cluster (or, without one, this
+    'auto' is CPU for the demo model; otherwise CUDA when the Ray cluster (or, without one, this
     machine) has a GPU. A cluster whose GPU nodes autoscale from zero shows none yet: set `device: cuda`.
     """
     if args.device != "auto":

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TINY_MODEL_NAME = "tandem-tiny"
-"""The served name of the embedded tiny model, used when `model` is left unset."""
+"""The served name of the demo model, used when `model` is left unset."""
 
 
 class EngineArgs(BaseModel):
@@ -165,13 +165,13 @@ class AppArgs(BaseModel):
         default=None,
         min_length=1,
         description="Hugging Face hub id or local model directory; "
-        "unset serves the embedded tiny model on CPU.",
+        "unset serves the demo model on CPU.",
     )
     served_model_name: str | None = Field(
         default=None,
         min_length=1,
         description="Name clients put in the request's `model` field; defaults to `model` "
-        f"(or '{TINY_MODEL_NAME}' for the embedded model).",
+        f"(or '{TINY_MODEL_NAME}' for the demo model).",
     )
     tp_size: int = Field(
         default=1, ge=1, description="Tensor-parallel degree: GPUs (rank actors) per replica."

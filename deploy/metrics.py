@@ -1,4 +1,4 @@
-"""Serving metrics (ARCHITECTURE §6) through `ray.util.metrics`, recorded by each LLMServer replica.
+"""Serving metrics (the public metric names) through `ray.util.metrics`, recorded by each LLMServer replica.
 
 Ray's exporter prefixes every application metric with `ray_`, so Prometheus scrapes
 `ray_tandem_time_to_first_token_seconds` etc. on Ray's metrics export port. Ray adds its own tags

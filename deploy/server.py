@@ -43,7 +43,7 @@ def _default_replica(model: str | None, **kwargs: Any) -> Any:
     from tandem.engine.tiny import default_model_dir
     from tandem.replicas.llm_replica import LLMReplica
 
-    # The embedded tiny model is built on (and cached by) the node that serves it.
+    # The demo model ships inside the package, so the node that serves it finds it in its own install.
     return LLMReplica(model if model is not None else str(default_model_dir()), **kwargs)
 
 
@@ -97,7 +97,7 @@ class LLMServer:
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self._service)
 
-    # ---- the handle API (section 6 of ARCHITECTURE.md) --------------------------------------------
+    # ---- the handle API (public: callers outside tandem use it) ----------------------------------------
     async def completions(
         self, body: dict[str, Any]
     ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:

@@ -48,7 +48,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
         # Small batches (up to fused_decode_max_bs rows, at most the default's 32) also take the Triton norms
-        # and activation: measured to win up to 32 rows, not beyond (kernel_choices' norm and act parts).
+        # and activation, which win over flashinfer's up to 32 rows, not beyond (benchmarks/kernels/).
         kernels = (
             FusedKernels(
                 mc.max_position_embeddings,

@@ -115,7 +115,7 @@ def resolve_backend(name: str, device: torch.device, head_dim: int | None = None
             f"attention_backend='flashinfer' serves head_dim {FLASHINFER_HEAD_DIMS}, got {head_dim}"
         )
     if name == "auto":
-        # The embedded tiny models (head_dim 16) take the torch backend on GPU too.
+        # The tiny test models and the demo model (head_dim 16 and 32) take the torch backend on GPU too.
         return "flashinfer" if on_gpu and served and _flashinfer_importable() else "torch"
     return name
 

@@ -2,21 +2,13 @@
 
 It sits at the bottom of the layers (`engine`) so that every layer may use it.
 - `RAY_ADDRESS`: the Ray cluster to join, as `ray.init` and the `ray` CLI read it.
-- `XDG_CACHE_HOME`: the cache root, where the embedded tiny model is built once per machine.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def ray_address() -> str | None:
     """The cluster address from RAY_ADDRESS, or None when it is unset or empty."""
     return os.environ.get("RAY_ADDRESS") or None
-
-
-def cache_home() -> Path:
-    """XDG_CACHE_HOME, else ~/.cache."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base)

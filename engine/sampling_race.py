@@ -1,18 +1,18 @@
 """The sampler's exponential race (sampler.py) in one pass over the logits, for every row of a batch,
 seeded or not: the draw the engine makes on CUDA for batches without penalties, top-k, top-p or min-p.
 
-Why: at batch 256 and Qwen3's 151,936-token vocabulary the flashinfer path costs three passes after the
-LM head: the logits to float32 (~55 us on an H200), the division by the temperature (~75 us) and
-flashinfer's draw (~105 us), about 4% of a step of the offline run; a batch with any seeded row took
-the torch hash race instead, ~3.3 ms. Here each program reads a slice of one row's logits in their own
-dtype once, divides by the row's temperature, subtracts the row's counter-based noise (the same hash of
-seed, step and vocab index as `log_exponential_noise`; the vocab index's own hash comes from the
-`vocab_keys` table) and keeps the running argmax; a second, tiny kernel picks each row's winner among
-its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
+Why: at batch 256 and Qwen3's 151,936-token vocabulary the flashinfer path costs three passes after the LM
+head (the logits to float32, the division by the temperature and flashinfer's draw), and a batch with any
+seeded row took the much slower torch hash race instead
+(benchmarks/results/kernel-choices-sampling-slices.json). Here each program reads a slice of one row's
+logits in their own dtype once, divides by the row's temperature, subtracts the row's counter-based noise
+(the same hash of seed, step and vocab index as `log_exponential_noise`; the vocab index's own hash comes
+from the `vocab_keys` table) and keeps the running argmax; a second, tiny kernel picks each row's winner
+among its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
 
 The draw is exact, like the torch race: argmax(logit / T - log E) with E ~ Exp(1) is a sample from
 softmax(logit / T), and it depends only on the row's seed and step, so every TP rank draws the same
-token. In Triton's CPU interpreter it picks the torch race's token (tests/unit/test_triton_sample.py);
+token. In Triton's CPU interpreter it picks the torch race's token (tests/kernels/test_triton_sample.py);
 on a GPU `log` rounds differently, so near-ties may go the other way. Triton ships with CUDA builds of
 torch; this module is imported only on CUDA.
 """
@@ -28,8 +28,8 @@ import triton.language as tl
 from tandem.engine.sampler import GREEDY_EPS
 
 # Programs per launch to aim for: slices per row are about this / batch, a power of 2 in [1, 64]. Eight
-# four-warp programs per SM of an H200, enough loads in flight to cover memory latency: at 264 (two
-# per SM), batch 256 ran one slice per row, 182 us over bf16 logits against 113 us with 8 slices
+# four-warp programs per SM (of 132), enough loads in flight to cover memory latency: at two per SM,
+# batch 256 ran one slice per row and took 1.6x as long as with 8 slices
 # (benchmarks/results/kernel-choices-sampling-slices.json).
 _TARGET_PROGRAMS = 1056
 

@@ -28,7 +28,7 @@ from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """The LLM options of ARCHITECTURE §6 plus a few engine knobs; None means "pick for the device"."""
+    """The public `LLM` options plus a few engine knobs; None means "pick for the device"."""
 
     device: str = "auto"
     dtype: str = "auto"

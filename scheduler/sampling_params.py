@@ -1,4 +1,4 @@
-"""The per-request sampling parameters of the public API (ARCHITECTURE §6), with validation."""
+"""The per-request sampling parameters of the public API, with validation."""
 
 from __future__ import annotations
 

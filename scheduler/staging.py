@@ -16,8 +16,7 @@ import torch
 
 # bytes: every array starts on a 16-byte boundary. Triton compiles a kernel variant per pointer
 # alignment (16 or not), so with 8-byte packing the engine's Triton kernels (the sampling race, the q/k
-# norm + rope) saw a new alignment mix whenever the batch size changed, and rebuilt mid-run: ~11 s of
-# compiles in the first offline run on an H200.
+# norm + rope) saw a new alignment mix whenever the batch size changed, and rebuilt mid-run.
 _ALIGN = 16
 _TORCH_DTYPES = {
     np.dtype(np.int64): torch.int64,

@@ -1,3 +1,6 @@
+"""Fixtures for every test layer: `tiny_model_dir` (random-weight tiny HF models, built once per session)
+and the soak's request-count option."""
+
 from __future__ import annotations
 
 import json

@@ -101,8 +101,8 @@ class FlashInferBackend:
         # Explicit kernel families rather than flashinfer's "auto", which may route to cuDNN, XQA or
         # fa3 depending on the GPU and the plan: fa2 for both keeps one kernel choice everywhere, and
         # tensor-core decode runs the fa2 prefill kernel, the same JIT module as fa2 prefill, so each
-        # (head_dim, window, softcap) variant compiles once (about a minute each on an H200) rather
-        # than twice. Tensor-core decode is also the faster one for grouped-query heads.
+        # (head_dim, window, softcap) variant compiles once (a slow JIT build) rather than twice.
+        # Tensor-core decode is also the faster one for grouped-query heads.
         self.decode_backend = decode_backend
         self.decode_tensor_cores = decode_tensor_cores
         # One float workspace for every wrapper: they all run on one stream, one kernel at a time.

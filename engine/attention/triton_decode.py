@@ -1,12 +1,10 @@
 """Small-batch decode in one Triton launch: the q/k norms (where the model has them) and rope of the new
 token, its K/V store, paged attention split over the KV, and the merge of the splits.
 
-Why: at batch 1 on an H200 (Llama-3.1-8B shape, 512 tokens of context), the step from the q/k/v
-projection to the o projection was three kernels a layer: the rope with the K/V store (2.5 µs), flashinfer's
-decode (9.6 µs) and its split-KV merge (2.4 µs), for 2 MB of KV that takes 0.5 µs to read
-(decode-profile-llama-3.1-8b-32l-630734e.json). Each kernel is mostly launch and ramp. Here program (row,
-KV head, split) does all of it, in 8.6 against 13.3 µs for the three at batch 1
-(kernel-choices-decode-fused.json):
+Why: at a few rows, the step from the q/k/v projection to the o projection was three kernels a layer (the
+rope with the K/V store, flashinfer's decode and its split-KV merge), each mostly launch and ramp, for far
+less KV than the time they take could read. Here program (row, KV head, split) does all of it in one
+launch (timed against the three in benchmarks/results/kernel-choices-decode-fused.json):
 - it rotates its query heads and the new key in registers; split 0 also writes the new K/V to the pool;
 - it attends over its share of the row's earlier tokens with an online softmax (scores and the P·V product
   on tensor cores, the query group padded to 16 rows). Split 0 adds the new token from registers, so no
@@ -189,8 +187,8 @@ class DecodeScratch:
 
 
 def launch_config(batch: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
-    """(splits per (row, KV head), tokens per block) for a decode graph of `batch` rows, measured on an H200
-    (kernel-choices-decode-fused.json: Llama-3.1-8B heads at 512 tokens of context, Qwen3-0.6B's at 1024).
+    """(splits per (row, KV head), tokens per block) for a decode graph of `batch` rows, as tuned by
+    kernel_choices.py's decode_fused part (Llama-3.1-8B heads at 512 tokens of context, Qwen3-0.6B's at 1024).
     Up to about a quarter of the SMs' worth of (row, head) pairs, one wave of programs (128 at batch 1 to 4
     with 8 KV heads) beat more splits; beyond, about four waves (batch 8 to 64), so that no program walks a
     long row alone. Blocks of 64 tokens beat 32 except where 16 splits leave each program about 32 tokens
@@ -237,8 +235,7 @@ def decode_rope_attention(
 
     `pdl`: a programmatic dependent launch (engine/layers/pdl.py): each program reads the positions, page
     lists and lengths before it waits for the q/k/v projection. (Loading its first block of K/V before the
-    wait too, and each next block one ahead, gained nothing on an H200 at batch 1 to 4 and lost 5 µs a
-    layer at 8: kernel-choices-chain-5c8564c.json.)
+    wait too, and each next block one ahead, gained nothing at batch 1 to 4 and lost at 8, so it does not.)
 
     `work` (int32 [2 * items + 1], from `plan_work`): programs (KV head, item) over a planned list of
     (row, chunk) items instead of (row, KV head, split), for large batches of uneven rows; `splits` is then

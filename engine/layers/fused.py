@@ -63,7 +63,7 @@ class FusedKernels:
         # Norms over at most `small_rows` rows (small decode batches) run as one Triton program per row
         # (triton_norm.py) instead of flashinfer's kernel; None where Triton is missing.
         # Only while CUDA graphs are warmed up and captured (`graph_capture`): eagerly, Triton's host-side
-        # launch costs more than the kernel saves (an eager batch-1 Llama-3.1-8B step went from 8.5 to 21 ms).
+        # launch costs more than the kernel saves (an eager batch-1 step took more than twice as long).
         self.small_rows = small_rows
         self._small_norm: SmallNorm | None = _triton_small_norm() if small_rows > 0 else None
         self._small_act: SmallAct | None = _triton_small_act() if small_rows > 0 else None
@@ -120,9 +120,10 @@ class FusedKernels:
         """F.linear; in graphs of at most `gemm_rows` rows, flashinfer's tinygemm where it wins.
 
         tinygemm runs one 16-feature CTA per SM and streams the weight through TMA; with PDL it starts
-        reading it while the kernel before it still runs, and it needs no split-K reduction. On an H200
-        it beat cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs),
-        and lost where they make three or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json).
+        reading it while the kernel before it still runs, and it needs no split-K reduction. It beat
+        cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs), and
+        lost where they make three or more (q/k/v 384, gate/up 1,792;
+        benchmarks/results/kernel-choices-chain.json).
         Its shapes: bf16, out features a multiple of 16, in features of 64."""
         if not self._in_graphs or self._small_gemm is None:  # every eager GEMM: keep this path short
             return torch.nn.functional.linear(x, weight, bias)
@@ -257,7 +258,7 @@ def _triton_small_act() -> SmallAct | None:
 
 
 def tinygemm2() -> SmallGemm | None:
-    """flashinfer's reference tinygemm2 kernel, the one measured (kernel-choices-chain.json): called
+    """flashinfer's reference tinygemm2 kernel, the one benchmarks/kernels/layer_chain.py times: called
     through its module rather than `flashinfer.gemm.tinygemm_bf16`, which on Hopper hands some shapes
     (Llama-3.1-8B's o and down among them) to generated per-shape programs instead. Built on first use."""
     try:

@@ -2,25 +2,24 @@
 store into the paged cache as well.
 
 Why: on Qwen3 and Gemma 3 each layer would otherwise run three small flashinfer kernels between the
-q/k/v projection and attention (the q norm, the k norm, the rope), 6 us each at batch 256 on an H200
-and ~2 us at batch 1, where the data they touch takes well under a microsecond to read. Here one
-program normalises and rotates a block of heads of one token, reading the merged projection output once
-and writing contiguous q and k, as the rope kernel did. Measured alone in CUDA graphs on an H200
-(benchmarks/results/kernel-choices-qk-norm-rope.json): 2.2 us against 7.8 us for the three kernels at
-256 tokens, 1.5 against 5.2 at one token. `FusedKernels.qk_norm_rope` runs it on CUDA.
+q/k/v projection and attention (the q norm, the k norm, the rope), each taking far longer than reading
+the data it touches. Here one program normalises and rotates a block of heads of one token, reading the
+merged projection output once and writing contiguous q and k, as the rope kernel did; alone in CUDA
+graphs it beats the three kernels at every batch size (benchmarks/results/kernel-choices-qk-norm-rope.json).
+`FusedKernels.qk_norm_rope` runs it on CUDA.
 
 Without q/k norm weights it is the rope alone (Llama, Mistral, Qwen2, Gemma 2), so every model whose
 rope covers the whole head takes the same kernel.
 
 With `kv_cache` it writes the rotated k and the untouched v straight into the paged cache at each
-token's slot instead, taking the place of the append kernel too (2.6 against 10.1 us with flashinfer's
-append at 256 tokens). The model takes that form wherever the attention backend hands it the new
-tokens' slots (`AttentionBackend.new_kv_slots`): flashinfer's decode graphs and eager batches.
+token's slot instead, taking the place of the append kernel too (faster than the three kernels and
+flashinfer's append, in the same file). The model takes that form wherever the attention backend hands
+it the new tokens' slots (`AttentionBackend.new_kv_slots`): flashinfer's decode graphs and eager batches.
 
 Numerics follow the flashinfer chain: each norm is computed in float32 and rounded once to the output
 dtype (the Gemma form scales by 1 + w), and the rope rotates those rounded values in float32 with the
 shared cos/sin table (`FusedKernels.cos_sin_table`: cos in the first half, sin in the second). Checked
-against the torch reference in Triton's CPU interpreter (tests/unit/test_triton_qk_norm_rope.py) and
+against the torch reference in Triton's CPU interpreter (tests/kernels/test_triton_qk_norm_rope.py) and
 on the GPU (tests/gpu/test_fused_kernels.py).
 
 Triton ships with CUDA builds of torch; this module is imported only on CUDA, never on CPU.

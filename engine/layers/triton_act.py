@@ -1,6 +1,6 @@
 """SiLU-and-multiply of a few rows in Triton: silu(gate) * up over the MLP's merged gate/up output, for
-small decode graphs, where flashinfer's kernel is mostly launch and ramp (1.77 µs a call at batch 1 on an
-H200 for 112 KB of data, 32 calls a Llama-3.1-8B step; decode-profile-llama-3.1-8b-32l-630734e.json).
+small decode graphs, where flashinfer's kernel is mostly launch and ramp for about 100 KB of data, and a
+Llama-3.1-8B step runs 32 of them (timed in benchmarks/results/kernel-choices-act-store.json).
 
 Same numerics as flashinfer's `silu_and_mul`: float32 math, one rounding. One program per block of a row;
 with PDL (pdl.py) the block waits for the gate/up projection before its first read.

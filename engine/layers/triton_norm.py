@@ -1,6 +1,6 @@
 """The residual add and RMS norm of a few rows in one Triton program per row: a candidate for small decode
-batches, where flashinfer's fused add + norm takes 2.9 µs a call on an H200 at batch 1 for 16 KB of data
-(decode-profile-llama-3.1-8b-32l-630734e.json), 64 calls a Llama-3.1-8B step.
+batches, where flashinfer's fused add + norm is mostly launch and ramp for a few KB of data, and a
+Llama-3.1-8B step runs 64 of them (timed in benchmarks/results/kernel-choices-act-store.json).
 
 Same contract as flashinfer's `fused_add_rmsnorm`, in place: residual += x, then x = norm(residual).
 Numerics follow the torch reference: the sum is rounded to the residual's dtype, then normalised in

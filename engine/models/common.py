@@ -362,8 +362,8 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
         # What compute_logits returns: the LM head's own dtype, so the sampler's one-pass race reads it
-        # as it is (at batch 256 and a 152k vocabulary a float32 copy is an 80 us pass of its own on an
-        # H200); paths that need float32 make their copy. The final soft-cap's tanh runs in float32.
+        # as it is (a float32 copy of large-vocabulary logits is a costly pass of its own); paths that
+        # need float32 make their copy. The final soft-cap's tanh runs in float32.
         # The sampler builds its Triton race for this dtype at start (one kernel per input dtype).
         self.logits_dtype = torch.float32 if config.final_softcap is not None else dtype
 

@@ -1,10 +1,9 @@
-"""Tiny random-weight HF models (six families) and the embedded default model for `tandem serve`."""
+"""Tiny random-weight HF models (six families) for tests, and the trained demo model `tandem serve` serves."""
 
-from .factory import DEFAULT_MODEL_FAMILY, FAMILIES, default_model_dir, make_tiny_model, tiny_config
+from .factory import FAMILIES, default_model_dir, make_tiny_model, tiny_config
 from .tokenizer import EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, SPECIAL_TOKENS, load_tiny_tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL_FAMILY",
     "EOS_TOKEN",
     "FAMILIES",
     "IM_END_TOKEN",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,6 @@ from transformers import (
     Qwen3Config,
 )
 
-from tandem.engine.environment import cache_home
-
 from .tokenizer import EOS_TOKEN, IM_END_TOKEN, MODEL_MAX_LENGTH, load_tiny_tokenizer, special_token_ids
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
@@ -47,9 +43,7 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
 # Gemma's RMSNorm multiplies by (1 + weight); everyone else multiplies by weight.
 _OFFSET_NORM_FAMILIES = frozenset({"gemma2", "gemma3"})
 
-# Bump when the bytes `make_tiny_model` writes change, so stale default-model caches are not reused.
-DEFAULT_MODEL_VERSION = "v1"
-DEFAULT_MODEL_FAMILY = "qwen3"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo"
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -213,42 +207,7 @@ def make_tiny_model(
     return out
 
 
-def _default_cache_dir() -> Path:
-    return cache_home() / "tandem" / f"tiny-default-{DEFAULT_MODEL_VERSION}"
-
-
-def _is_complete(model_dir: Path) -> bool:
-    names = ("config.json", "model.safetensors", "tokenizer.json")
-    return all((model_dir / name).is_file() for name in names)
-
-
-def default_model_dir(cache_dir: Path | None = None) -> Path:
-    """The embedded default model (a tiny qwen3), built once into `cache_dir` and returned.
-
-    `cache_dir` is the model directory itself (default `$XDG_CACHE_HOME` or `~/.cache`, then
-    `tandem/tiny-default-v1`). It is built in a sibling temp dir and renamed into place, so a concurrent
-    process sees either nothing or a complete model; if another process wins the race, its copy is kept
-    (the build is deterministic, so both are identical).
-    """
-    target = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    if _is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        make_tiny_model(tmp, DEFAULT_MODEL_FAMILY, seed=0)
-        # mkdtemp makes 0700 and transformers writes the weights 0600; a shared cache must be readable.
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        tmp.chmod(0o755)
-        if target.exists() and not _is_complete(target):
-            # Not ours (our renames are atomic): e.g. an empty dir someone created. Replace it.
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+def default_model_dir() -> Path:
+    """The demo model that `tandem serve` serves with no `--model`: a two-layer Llama trained on the
+    bundled corpus (scripts/train_demo_model.py), shipped in the package, so its answers are words."""
+    return DEMO_MODEL_DIR

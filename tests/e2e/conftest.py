@@ -1,4 +1,5 @@
-"""Shared e2e helpers: a real Ray Serve app on loopback, started once per test module."""
+"""Shared e2e helpers: a real Ray Serve app on loopback, started once per test module. Every test under
+tests/e2e is marked `e2e` (it starts Ray), so `pytest -m "not e2e and not gpu"` is the fast loop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+_E2E_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A conftest's hook sees the whole session's items, so mark only the ones under this folder.
+    for item in items:
+        if _E2E_DIR in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 def free_port() -> int:
@@ -82,7 +92,7 @@ def check_error() -> Callable[[dict[str, Any]], dict[str, Any]]:
     return error_of
 
 
-# ---- issue 8: outcomes, Ray actor processes and measured figures ------------------------------------
+# ---- reliability: outcomes, Ray actor processes and measured figures -------------------------------
 
 
 @dataclass

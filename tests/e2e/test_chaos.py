@@ -1,4 +1,4 @@
-"""Issue 8: faults and shutdowns under load on a CPU Serve app (tiny Qwen3, one TP=2 replica).
+"""Faults and shutdowns under load on a CPU Serve app (tiny Qwen3, one TP=2 replica).
 
 - A rank actor dies, then the replica actor: every in-flight request ends with an error within 10 s,
   `/health` turns 503, Serve replaces the replica with a fresh TP group, `/health` is 200 again and
@@ -30,7 +30,7 @@ from tandem.deploy.app import build_app
 MAX_ONGOING, MAX_QUEUED = 16, 16
 IN_FLIGHT = 6  # long requests running when the fault hits
 LOAD_WORKERS = 3  # clients sending short requests all through each fault and recovery
-ERROR_WITHIN_S = 10.0  # the issue's bound on how long an in-flight request may take to fail
+ERROR_WITHIN_S = 10.0  # the longest an in-flight request may take to fail when its rank dies
 RECOVERY_BOUND_S = 90.0  # Serve's health checks (3 x 2 s) + a new TP=2 replica, with a wide margin
 DRAINED_AFTER_S = 1.0  # in-flight requests must outlive the start of a shutdown by this much
 APP_NAME = "tandem-chaos"

@@ -1,4 +1,4 @@
-"""`tandem serve` with no arguments serves the embedded tiny model on CPU (the README's first command);
+"""`tandem serve` with no arguments serves the demo model on CPU (the README's first command);
 with HAProxy it leaves nothing behind that could answer for a later server; a taken port is refused at
 once. Each run is a real subprocess that starts its own Ray instance."""
 

@@ -1,4 +1,4 @@
-"""Issue 5: errors, overload, client disconnects, fuzzing and a dead rank on a real Ray Serve app (CPU).
+"""Errors, overload, client disconnects, fuzzing and a dead rank on a real Ray Serve app (CPU).
 
 The app is a TP=2 replica (two rank actors in the Serve placement group) with deliberately small limits
 (8 running + 8 queued requests) so overload is cheap to reach.

@@ -1,4 +1,4 @@
-"""Issue 5: the OpenAI API on a real Ray Serve app (CPU): the official SDK, the handle API, concurrency,
+"""The OpenAI API on a real Ray Serve app (CPU): the official SDK, the handle API, concurrency,
 metrics. One app for the whole module."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 4: tensor-parallel replicas on a local Ray cluster (CPU, gloo)."""
+"""Tensor-parallel replicas on a local Ray cluster (CPU, gloo)."""
 
 from __future__ import annotations
 

@@ -62,10 +62,11 @@ def test_streamed_text_equals_the_whole_text_for_16_concurrent_requests(app: Any
     ]
 
     async def go() -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+        # 16 at a time: the replica admits 6 + 24 queued, and a 17th-plus would get its 503.
         async with aiohttp.ClientSession(app.base_url) as session:
-            streams = asyncio.gather(*(_stream(session, b) for b in bodies))
-            wholes = asyncio.gather(*(_whole(session, b) for b in bodies))
-            return list(await streams), list(await wholes)
+            streams = await asyncio.gather(*(_stream(session, b) for b in bodies))
+            wholes = await asyncio.gather(*(_whole(session, b) for b in bodies))
+            return list(streams), list(wholes)
 
     streams, wholes = asyncio.run(go())
     texts = ["".join(c["text"] for e in events for c in e["choices"]) for events in streams]

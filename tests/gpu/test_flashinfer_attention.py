@@ -1,4 +1,4 @@
-"""Issue 6: flashinfer attention against the torch reference, layer by layer, on poisoned KV pools.
+"""Flashinfer attention against the torch reference, layer by layer, on poisoned KV pools.
 
 Every slot a correct backend must not read holds a huge value: the stale page that evicted table
 entries point at, and in window layers the key just outside each row's window. Prefill, extend over

@@ -1,4 +1,4 @@
-"""Issue 6: whole-model logits with flashinfer attention and fused norm/rope kernels (eager, and through
+"""Whole-model logits with flashinfer attention and fused norm/rope kernels (eager, and through
 decode and piecewise CUDA graphs) against the torch attention backend and torch ops, for bf16 models
 of real shapes, over prefill, extend over a cached prefix, and decode steps with sliding-window
 eviction."""

@@ -1,4 +1,4 @@
-"""Issue 4 on GPU hosts: a replica under Ray Serve on the NCCL init path with CUDA streams, at TP=1
+"""On GPU hosts: a replica under Ray Serve on the NCCL init path with CUDA streams, at TP=1
 and (with two GPUs) TP=2. float32, so TP=2 must give exactly TP=1's tokens."""
 
 from __future__ import annotations

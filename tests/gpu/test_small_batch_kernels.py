@@ -1,4 +1,4 @@
-"""Issue 6: the kernels of small decode graphs chained as the engine chains them, inside a CUDA graph, with
+"""The kernels of small decode graphs chained as the engine chains them, inside a CUDA graph, with
 programmatic dependent launch: the Triton add + RMS norm, flashinfer's tinygemm in place of cuBLAS (the
 o/down shape of Llama-3.1-8B, where FusedKernels picks it), and the Triton SiLU-and-multiply. Against the
 same chain in float32 torch ops, then over many replays: a kernel that read its input before the kernel

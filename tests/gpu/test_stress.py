@@ -1,4 +1,4 @@
-"""Issue 6: a tight KV pool with overlap, decode and piecewise CUDA graphs, and window eviction (or
+"""A tight KV pool with overlap, decode and piecewise CUDA graphs, and window eviction (or
 prefix-cache eviction) all at once. Pages are freed and reused constantly, so a page handed out while
 an in-flight batch may still read it would show: `guard_inflight_pages` asserts on it, and the outputs
 must match a run with overlap and graphs off."""

@@ -1,4 +1,4 @@
-"""Issue 6: the same greedy tokens whatever the switches: overlap, copy stream, decode CUDA graphs,
+"""The same greedy tokens whatever the switches: overlap, copy stream, decode CUDA graphs,
 piecewise CUDA graphs, chunked prefill (ties within bf16 rounding excepted; see conftest).
 
 Switches that change the arithmetic itself (the attention backend, fused norm/rope kernels) round

@@ -1,4 +1,4 @@
-"""Issue 6: the one-launch decode (engine/attention/triton_decode.py) on the GPU, in bf16, against a float32
+"""The one-launch decode (engine/attention/triton_decode.py) on the GPU, in bf16, against a float32
 torch reference on the same inputs: Llama's head layout (no q/k norms) and Qwen3's (norms), at the split
 counts the engine picks for 1 to 8 rows, and with the work list it plans for 48 rows of uneven lengths
 (decode_work.py), including rows with no earlier token (a decode graph's padding rows). Then a CUDA graph

@@ -1,4 +1,4 @@
-"""Issue 8: tandem loses nothing and never hangs. A soak, an overload burst and hand-written fuzz cases
+"""tandem loses nothing and never hangs. A soak, an overload burst and hand-written fuzz cases
 against one CPU Serve app on loopback (tiny Qwen3, TP=1).
 
 The soak's size is `--soak-requests N` (or TANDEM_SOAK_REQUESTS): 1000 in CI, 10000 for the long form:

@@ -1,0 +1,89 @@
+"""The GPU path, checked on CPU: switch resolution, recorded switches, and the lazy flashinfer import."""
+
+from __future__ import annotations
+
+import py_compile
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.engine.attention import backend_factory
+from tandem.engine.engine_config import resolve_backend, resolve_engine_config
+from tandem.scheduler.runtime import RuntimeOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
+    config = resolve_engine_config(tmp_path, device="cpu")
+    switches = config.switches()
+    assert switches["attention_backend"] == "torch"
+    assert switches["cuda_graph"] is False and switches["piecewise_cuda_graph"] is False
+    assert switches["copy_stream"] is False
+    assert switches["dtype"] == "float32" and switches["device"] == "cpu"
+    assert set(switches) >= {"cuda_graph_max_bs", "piecewise_max_tokens", "page_size"}
+    # The one-launch decode lives in decode graphs: off wherever they are, whatever was asked.
+    assert switches["fused_decode_max_bs"] == 0
+    assert resolve_engine_config(tmp_path, device="cpu", fused_decode_max_bs=8).fused_decode_max_bs == 0
+    # So are PDL and tinygemm, which live in CUDA graphs too.
+    on = resolve_engine_config(tmp_path, device="cpu", pdl_max_bs=8, small_gemm_max_bs=8).switches()
+    assert on["pdl_max_bs"] == 0 and on["small_gemm_max_bs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"attention_backend": "flashinfer"}, "CUDA"),
+        ({"attention_backend": "triton"}, "attention_backend"),
+        ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs"),
+        ({"piecewise_max_tokens": -1}, "piecewise_max_tokens"),
+        ({"fused_decode_max_bs": -1}, "fused_decode_max_bs"),
+        ({"fused_decode_max_bs": 2.5}, "fused_decode_max_bs"),
+        ({"pdl_max_bs": -1}, "pdl_max_bs"),
+        ({"small_gemm_max_bs": True}, "small_gemm_max_bs"),
+    ],
+)
+def test_bad_switches_fail_at_the_edge(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_engine_config(tmp_path, device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+def test_runtime_options_validate_graph_sizes() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        RuntimeOptions(cuda_graph_max_bs=0).validate()
+    RuntimeOptions(attention_backend="torch", piecewise_cuda_graph=False).validate()
+    with pytest.raises(ValueError, match="fused_decode_max_bs"):
+        RuntimeOptions(fused_decode_max_bs=-1).validate()
+    RuntimeOptions(fused_decode_max_bs=0).validate()
+    for name in ("pdl_max_bs", "small_gemm_max_bs"):
+        with pytest.raises(ValueError, match=name):
+            RuntimeOptions(**{name: -1}).validate()  # type: ignore[arg-type]
+        RuntimeOptions(**{name: 0}).validate()  # type: ignore[arg-type]
+
+
+def test_flashinfer_is_never_imported_on_the_cpu_path() -> None:
+    backend_factory("torch")
+    assert "tandem.engine.attention.flashinfer_backend" not in sys.modules
+    assert "flashinfer" not in sys.modules or torch.cuda.is_available()
+
+
+def test_gpu_only_modules_compile() -> None:
+    for name in (
+        "engine/attention/flashinfer_backend.py",
+        "engine/cuda_graph.py",
+        "engine/piecewise_graph.py",
+        "engine/attention/triton_decode.py",
+        "engine/layers/triton_norm.py",
+    ):
+        py_compile.compile(str(ROOT / name), doraise=True)
+
+
+def test_flashinfer_only_for_head_sizes_it_serves() -> None:
+    cuda = torch.device("cuda")  # a device object only; nothing runs on it
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_backend("flashinfer", cuda, 16)
+    assert resolve_backend("auto", cuda, 16) == "torch"  # the tiny test models
+    assert resolve_backend("torch", cuda, 128) == "torch"
+    assert resolve_backend("auto", torch.device("cpu"), 128) == "torch"

@@ -1,0 +1,90 @@
+"""TP=2 over gloo (two processes) gives the same tokens as TP=1."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tandem.engine.distributed import TPGroup
+from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
+
+PROMPT_LENS = [5, 17, 40, 9]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_rank(
+    model_dir: str, rank: int, size: int, port: int, requests: list[AddRequest]
+) -> dict[int, list[int]]:
+    tp = TPGroup()
+    if size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        tp = TPGroup(rank, size, dist.group.WORLD)
+    outputs: list[TokenOutput] = []
+    runtime = RankRuntime(Path(model_dir), RuntimeOptions(device="cpu"), tp, outputs.extend)
+    inbox: list[SchedulerMsg] = list(requests)
+
+    def receive(blocking: bool) -> list[SchedulerMsg]:
+        msgs = list(inbox)
+        inbox.clear()
+        return msgs
+
+    runtime.step(receive)
+    while runtime.busy:
+        runtime.step(receive)
+    tokens: dict[int, list[int]] = {r.rid: [] for r in requests}
+    for out in outputs:
+        if out.token_id is not None:
+            tokens[out.rid].append(out.token_id)
+    if size > 1:
+        dist.destroy_process_group()
+    return tokens
+
+
+def _worker(rank: int, model_dir: str, port: int, requests: list[AddRequest], queue) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    queue.put((rank, run_rank(model_dir, rank, 2, port, requests)))
+
+
+def make_requests(vocab: int) -> list[AddRequest]:
+    g = torch.Generator().manual_seed(3)
+    reqs = []
+    for i, n in enumerate(PROMPT_LENS):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        # Half greedy, half seeded sampling: both ranks must draw the same tokens.
+        temperature = 0.0 if i % 2 == 0 else 0.9
+        reqs.append(AddRequest(i, ids, SamplingSpec(max_tokens=24, temperature=temperature, seed=100 + i)))
+    return reqs
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_tp2_gloo_matches_tp1(family: str, tiny_model_dir) -> None:
+    model_dir = str(tiny_model_dir(family))
+    import json
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    requests = make_requests(vocab)
+    single = run_rank(model_dir, 0, 1, 0, requests)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, model_dir, port, requests, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1], "TP ranks disagree on sampled tokens"
+    assert results[0] == single
+    assert all(len(t) > 0 for t in single.values())
