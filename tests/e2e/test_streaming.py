@@ -71,8 +71,9 @@ def test_streamed_text_equals_the_whole_text_for_16_concurrent_requests(app: Any
     streams, wholes = asyncio.run(go())
     texts = ["".join(c["text"] for e in events for c in e["choices"]) for events in streams]
     assert texts == [w["choices"][0]["text"] for w in wholes]
-    assert any(any(ord(ch) > 127 for ch in text) for text in texts)  # multi-byte text came through
-    assert all("\ufffd" not in text for text in texts[::2])  # greedy rows: no partial characters
+    # Multi-byte text came through (a random model may also emit bytes that are no valid UTF-8, which
+    # decode to U+FFFD in both forms alike).
+    assert any(any(127 < ord(ch) != 0xFFFD for ch in text) for text in texts)
 
 
 def test_an_event_carries_about_one_token_at_concurrency_1(app: Any) -> None:
