@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.batch import SamplingBatch
+from tandem.engine.constraints import constrain_logits
 
 _MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
@@ -215,7 +216,7 @@ class Sampler:
             )
             return SampleResult(tokens, None, None, None)
         raw = logits[:, : self.vocab_size].float()
-        penalised = apply_penalties(raw, batch)
+        penalised = constrain_logits(apply_penalties(raw, batch), batch)
         if batch.all_greedy:
             # torch.argmax returns the first maximal index: ties go to the lowest id, deterministically.
             tokens = penalised.argmax(dim=-1)
@@ -261,6 +262,7 @@ class Sampler:
             and not batch.any_top_k_top_p
             and not batch.any_min_p
             and batch.num_logprobs < 0
+            and not batch.constrained
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

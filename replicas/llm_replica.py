@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from typing import Any
 
 from tandem.cluster import placement
@@ -23,18 +22,14 @@ from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.detokenizer import IncrementalDetokenizer
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
-from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, TokenOutput
+from tandem.scheduler.messages import AbortRequest, AddRequest, TokenOutput
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
-from tandem.scheduler.sampling_params import SamplingParams
+from tandem.scheduler.sampling_params import SamplingParams, to_spec
 
 HEALTH_PERIOD_S = 1.0
 
 
-def to_spec(params: SamplingParams) -> SamplingSpec:
-    names = {f.name for f in fields(SamplingParams)} - {"stop"}
-    values = {n: getattr(params, n) for n in names}
-    values["stop_token_ids"] = tuple(params.stop_token_ids or ())
-    return SamplingSpec(**values)
+__all__ = ["LLMReplica", "to_spec"]
 
 
 class LLMReplica:
