@@ -48,7 +48,7 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
 _OFFSET_NORM_FAMILIES = frozenset({"gemma2", "gemma3"})
 
 # Bump when the bytes `make_tiny_model` writes change, so stale default-model caches are not reused.
-DEFAULT_MODEL_VERSION = "v1"
+DEFAULT_MODEL_VERSION = "v2"  # v2: the chat template renders tools
 DEFAULT_MODEL_FAMILY = "qwen3"
 
 _COMMON: dict[str, Any] = {
@@ -226,7 +226,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     """The embedded default model (a tiny qwen3), built once into `cache_dir` and returned.
 
     `cache_dir` is the model directory itself (default `$XDG_CACHE_HOME` or `~/.cache`, then
-    `tandem/tiny-default-v1`). It is built in a sibling temp dir and renamed into place, so a concurrent
+    `tandem/tiny-default-v2`). It is built in a sibling temp dir and renamed into place, so a concurrent
     process sees either nothing or a complete model; if another process wins the race, its copy is kept
     (the build is deterministic, so both are identical).
     """

@@ -50,6 +50,9 @@ class FakeReplica:
         if 13 in prompt_token_ids:
             raise ValueError("token 13 is unlucky")
 
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        return None
+
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
     ) -> AsyncGenerator[GenerationChunk, None]:
