@@ -50,8 +50,9 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Compil
             return compiler.compile_grammar(choice_grammar(json.loads(spec.text)))
         if spec.kind == "grammar":
             return compiler.compile_grammar(spec.text)
-    except RuntimeError as exc:  # xgrammar's parse and conversion errors
-        raise ValueError(str(exc).strip().splitlines()[-1]) from None
+    except Exception as exc:  # xgrammar's parse and conversion errors (RuntimeError, InvalidJSONError...)
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ValueError(lines[-1]) from None
     raise ValueError(f"unknown structured output kind {spec.kind!r}")
 
 
