@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -229,7 +229,9 @@ class Sampler:
         count), for logits of `logits_dtype` as the model hands them over (Triton builds a kernel per
         input dtype: warmed for another, the first requests would pay for seven builds), so no request
         waits on a build, and check its tokens against the torch race on a small batch. On any failure
-        the race is switched off, and the reason returned for the log."""
+        the race is switched off, and the reason returned for the log. The constraints' bitmask kernel
+        is built first, whatever the race."""
+        self._warm_up_constraints()
         if self._race_one_pass is None or self._vocab_keys is None:
             return None
         device = self._vocab_keys.device
@@ -252,6 +254,16 @@ class Sampler:
             self._race_one_pass = None
             return f"one-pass sampling race off: {exc!r}"
         return None
+
+    def _warm_up_constraints(self) -> None:
+        """Build the bitmask kernel (xgrammar's Triton kernel on CUDA) now, not on the first
+        structured-output request."""
+        device = self._generator.device
+        batch = SamplingBatch.greedy(1, device)
+        bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+        rows = torch.zeros(1, dtype=torch.int64, device=device)
+        logits = torch.zeros(1, self.vocab_size, device=device)
+        constrain_logits(logits, replace(batch, bitmask=bitmask, bitmask_rows=rows))
 
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
