@@ -181,22 +181,51 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+_CALL_STARTS = ("<tool_call>", "<|python_tag|>", "{")
+
+
+def _held_from(text: str) -> int:
+    """Where the part of `text` that may be (the start of) a tool call begins; len(text) if none.
+
+    A Llama 3.1 JSON call is the whole reply, so it can only start the text; a Hermes call may follow
+    content, so a trailing partial `<tool_call>` is held too.
+    """
+    stripped = text.lstrip()
+    if any(s.startswith(stripped) or stripped.startswith(s) for s in _CALL_STARTS):
+        return 0
+    found = text.find("<tool_call>")
+    if found >= 0:
+        return found
+    for length in range(min(len(text), len("<tool_call>") - 1), 0, -1):
+        if "<tool_call>".startswith(text[-length:]):
+            return len(text) - length
+    return len(text)
+
+
 @dataclass
 class ToolCallStream:
     """One choice's streamed reply under a ToolMode: `delta` maps each text delta to the chat delta
     body to send (None: nothing yet) and the finish reason to report.
 
-    A named function's arguments stream as they come (the first delta names the call); "required" and
-    "auto" replies are held until the choice ends, then parsed, since a call is only known whole.
+    A named function's arguments stream as they come (the first delta names the call). "auto" streams
+    its content up to where a call may begin and holds the rest; "required" holds everything. What is
+    held is parsed when the choice ends, since a call is only known whole.
     """
 
     mode: ToolMode
     text: str = ""
+    sent: int = 0  # characters of `text` already sent as content ("auto")
     call_id: str = field(default_factory=new_call_id)
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any] | None, str | None]:
         first = not self.text
         self.text += text
+        if self.mode.choice == "auto" and finish_reason is None:
+            release = _held_from(self.text)
+            if release <= self.sent:
+                return None, None
+            released, self.sent = self.text[self.sent : release], release
+            return {"content": released}, None
         if self.mode.choice == "named":
             reason = "tool_calls" if finish_reason == "stop" else finish_reason
             if not text:
@@ -213,9 +242,11 @@ class ToolCallStream:
         if finish_reason is None:
             return None, None
         content, calls = self.mode.parse(self.text)
+        if not calls:
+            content = self.text
         body: dict[str, Any] = {}
-        if content:
-            body["content"] = content
+        if content and len(content) > self.sent and content.startswith(self.text[: self.sent]):
+            body["content"] = content[self.sent :]  # what was not streamed yet
         if calls:
             ids = [new_call_id() for _ in calls]
             body["tool_calls"] = [{"index": i, **d} for i, d in enumerate(call_dicts(calls, ids))]

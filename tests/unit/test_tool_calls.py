@@ -158,3 +158,21 @@ def test_history_with_tool_calls_reaches_the_template() -> None:
         "<tool_response>sunny</tool_response>" in rendered
         and '"name": "weather"' in rendered.split("</tools>")[0]
     )
+
+
+def test_auto_streams_content_until_a_call_may_begin() -> None:
+    stream = ToolCallStream(ToolMode([WEATHER], "auto"))
+    call = '_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    steps = [stream.delta(t, None) for t in ("Sure. ", "<tool", call)] + [stream.delta("", "stop")]
+    assert steps[0] == ({"content": "Sure. "}, None) and steps[1] == (None, None) == steps[2]
+    body, reason = steps[3]
+    assert reason == "tool_calls" and body is not None and "content" not in body
+    assert body["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    plain = ToolCallStream(ToolMode([WEATHER], "auto"))
+    assert [plain.delta(t, None)[0] for t in ("Hi", " there")] == [{"content": "Hi"}, {"content": " there"}]
+    assert plain.delta("", "stop") == (None, "stop")
+    held = ToolCallStream(ToolMode([WEATHER], "auto"))  # JSON that is not a call is sent at the end
+    assert held.delta("{1}", None) == (None, None) and held.delta("", "length") == (
+        {"content": "{1}"},
+        "length",
+    )
