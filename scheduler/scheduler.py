@@ -300,7 +300,7 @@ class Scheduler:
         if ongoing is not None and ongoing.output is None:
             # Structured-output rows: batch N is processed, so their masks for N+1 are exact now; the
             # forward of N+1 has been running on the device meanwhile.
-            with self.streams.use(self.streams.engine), self.timer.phase("launch"):
+            with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):
                 self._sample(ongoing)
         return ongoing
 
