@@ -55,6 +55,8 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
         emit(outs)
 
     results.emit = recording
+    timer = llm.runtime.scheduler.timer
+    timer.reset()
     try:
         sync(llm.runtime.engine.config.device)
         start = time.perf_counter()
@@ -75,6 +77,9 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
         "constrained_requests": len(constrained),
         "constrained_tokens": sum(len(o.token_ids) for o in constrained),
         "constrained_finish_reasons": sorted({str(o.finish_reason) for o in constrained}),
+        # Loop phases (scheduler/step_timer.py); `masked_sample` is the constrained batches' sample,
+        # run after the previous batch's results.
+        "step_phases": timer.summary(),
     }
 
 
