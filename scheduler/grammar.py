@@ -130,14 +130,23 @@ class GrammarState:
         return self._matcher is not None and bool(self._matcher.is_terminated())
 
 
-def fill_bitmasks(states: list[GrammarState], pin: bool) -> torch.Tensor:
-    """int32 [len(states), ceil(V/32)]: row i allows the tokens `states[i]` accepts next (bit set)."""
-    matchers = [state.matcher() for state in states]
-    width = (max(max(state.vocab_size for state in states), 1) + 31) // 32
-    bitmask = torch.empty((len(states), width), dtype=torch.int32, pin_memory=pin)
-    for i, matcher in enumerate(matchers):
-        if matcher is None or matcher.is_terminated():
-            bitmask[i].fill_(-1)  # a failed or finished row is dropped at result time; any token will do
-        else:
-            matcher.fill_next_token_bitmask(bitmask, i)
-    return bitmask
+class BitmaskFiller:
+    """Fills the bitmasks of a batch's constrained rows, the rows' matchers in parallel (xgrammar's
+    batch matcher, on half the host's cores): at a few tens of microseconds a row for a JSON schema
+    over a 150k vocabulary, a serial fill of a large batch would sit on the step's critical path."""
+
+    def __init__(self) -> None:
+        self._batch = xgr.BatchGrammarMatcher()
+
+    def fill(self, states: list[GrammarState], pin: bool) -> torch.Tensor:
+        """int32 [len(states), ceil(V/32)]: row i allows the tokens `states[i]` accepts next (bit set)."""
+        matchers = [state.matcher() for state in states]
+        width = (max(max(state.vocab_size for state in states), 1) + 31) // 32
+        bitmask = torch.empty((len(states), width), dtype=torch.int32, pin_memory=pin)
+        live: list[tuple[int, xgr.GrammarMatcher]] = [
+            (i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()
+        ]
+        bitmask.fill_(-1)  # a failed or finished row is dropped at result time; any token will do
+        if live:
+            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+        return bitmask

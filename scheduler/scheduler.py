@@ -16,7 +16,7 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.grammar import GrammarCache, GrammarState, fill_bitmasks
+from tandem.scheduler.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.request import Request
@@ -77,6 +77,7 @@ class Scheduler:
         )
         self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids)
         self.grammars = grammars
+        self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self.has_window = any(g.window is not None for g in kv.groups)
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
@@ -235,7 +236,9 @@ class Scheduler:
         rows = flight.prepared.rows
         states = [rows[i].req.grammar for i in flight.grammar_rows]
         pin = self.device.type == "cuda"
-        bitmask = fill_bitmasks([s for s in states if s is not None], pin)
+        if self._bitmasks is None:
+            self._bitmasks = BitmaskFiller()
+        bitmask = self._bitmasks.fill([s for s in states if s is not None], pin)
         index = torch.tensor(flight.grammar_rows, dtype=torch.int64, pin_memory=pin)
         sampling = replace(
             flight.sampling,
