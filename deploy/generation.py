@@ -41,6 +41,10 @@ class ReplicaLike(Submitter, Protocol):
         """Raise ValueError for anything a rank must never see."""
         ...
 
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        """Why the output constraint cannot be compiled (or not in time); None when it can."""
+        ...
+
 
 class Rejected(Exception):
     """A job the model cannot take; becomes a `JobRejected` event."""
@@ -80,6 +84,7 @@ class GenerationService:
         try:
             prompts = self._prompt_ids(job)
             choices = self._choices(job, prompts)
+            await self._check_constraints(job)
         except Rejected as rejected:
             return rejected.event
         accepted = JobAccepted(prompt_tokens=[len(p) for p in prompts])
@@ -99,6 +104,18 @@ class GenerationService:
         return run
 
     # -- input -------------------------------------------------------------------------------------
+
+    async def _check_constraints(self, job: GenerateJob) -> None:
+        bad = [t for t in job.sampling.logit_bias or {} if t >= self._vocab_size]
+        if bad:
+            raise Rejected(
+                f"logit_bias keys must be token ids in [0, {self._vocab_size}), got {bad[:3]}", "logit_bias"
+            )
+        if job.sampling.structured_outputs is not None:
+            problem = await self._replica.check_structured(job.sampling)
+            if problem is not None:
+                param = job.structured_param or "response_format"
+                raise Rejected(f"{param} cannot be used: {problem}", param)
 
     def _prompt_ids(self, job: GenerateJob) -> list[list[int]]:
         if job.messages is not None:
@@ -121,6 +138,8 @@ class GenerationService:
         if clash:
             raise Rejected(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         try:
+            if job.tools:
+                extra["tools"] = job.tools
             text = self._tokenizer.apply_chat_template(
                 job.messages, tokenize=False, add_generation_prompt=True, **extra
             )

@@ -7,15 +7,25 @@ from dataclasses import replace
 from tandem.deploy.errors import invalid_request
 from tandem.deploy.jobs import GenerateJob
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tandem.scheduler.sampling_params import SamplingParams
+from tandem.deploy.request_constraints import check_supported, logit_bias, structured_outputs
+from tandem.deploy.tool_calls import ToolMode, tool_mode
+from tandem.scheduler.sampling_params import SamplingParams, StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
 
 
-def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutputs | None = None,
+) -> SamplingParams:
     """The request's SamplingParams; `max_tokens=None` (rest of the context) is resolved server-side."""
+    check_supported(req, req.n)
     params = SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else 1,
+        # A placeholder for "the rest of the context" that min_tokens' check accepts until it is resolved.
+        max_tokens=max_tokens if max_tokens is not None else max(1, req.min_tokens),
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=-1 if req.top_k == 0 else req.top_k,  # OpenAI-style clients send 0 for "off"
@@ -28,6 +38,9 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
+        min_tokens=req.min_tokens,
+        logit_bias=logit_bias(req),
+        structured_outputs=structured,
     )
     try:
         params.validate()  # pydantic already checked the ranges; this keeps both in step
@@ -39,8 +52,10 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
 
 def completion_job(req: CompletionRequest, request_id: str, arrival_time: float) -> GenerateJob:
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    structured, field = structured_outputs(req)
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured)
     return GenerateJob(
+        structured_param=field,
         request_id=request_id,
         sampling=params,
         n=req.n,
@@ -54,8 +69,20 @@ def completion_job(req: CompletionRequest, request_id: str, arrival_time: float)
 def chat_job(req: ChatCompletionRequest, request_id: str, arrival_time: float) -> GenerateJob:
     max_tokens = req.resolved_max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    tools = _tool_mode(req)
+    structured, field = structured_outputs(req)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise invalid_request(
+                f"tool_choice forces a tool call, which {field} would constrain too", param=field
+            )
+        structured, field = forced, "tools"
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured)
     return GenerateJob(
+        structured_param=field,
+        tools=tools.tools if tools is not None else None,
+        tool_mode=tools,
         request_id=request_id,
         sampling=params,
         n=req.n,
@@ -65,6 +92,13 @@ def chat_job(req: ChatCompletionRequest, request_id: str, arrival_time: float) -
         token_strings=req.logprobs,
         arrival_time=arrival_time,
     )
+
+
+def _tool_mode(req: ChatCompletionRequest) -> ToolMode | None:
+    try:
+        return tool_mode(req)
+    except ValueError as exc:
+        raise invalid_request(str(exc), param="tool_choice") from None
 
 
 def choice_sampling(job: GenerateJob, index: int, max_tokens: int) -> SamplingParams:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.deploy.tool_calls import ToolMode
 from tandem.scheduler.sampling_params import SamplingParams
 
 
@@ -27,6 +28,9 @@ class GenerateJob:
     max_tokens: int | None = None  # None: the rest of the context window
     token_strings: bool = False  # resolve logprob token ids to strings
     arrival_time: float = 0.0  # wall clock at the replica, for the queue-time metric
+    structured_param: str | None = None  # the field that set sampling.structured_outputs, for a 400
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool dicts, handed to the chat template
+    tool_mode: ToolMode | None = None  # chat: how replies are read for tool calls
 
     @property
     def num_choices(self) -> int:

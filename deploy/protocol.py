@@ -3,15 +3,18 @@
 The same models parse HTTP bodies (FastAPI) and the dicts handed to the Python handle API, so both give
 the same 400s. Ranges follow OpenAI's where OpenAI states one; vLLM-style extensions (`top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`) use the offline `SamplingParams` ranges. Unknown
-fields are ignored, as OpenAI-compatible servers commonly do, so newer SDKs keep working.
+fields are ignored, as OpenAI-compatible servers commonly do, so newer SDKs keep working; OpenAI fields we
+know but do not implement are declared (protocol_structured.py) and refused when set (a 400).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from tandem.deploy.protocol_structured import StructuredFields, ToolFields
 from tandem.scheduler.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -34,7 +37,7 @@ class StreamOptions(BaseModel):
     )
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """Fields shared by both endpoints: the model, the sampling knobs and the streaming switches."""
 
     model_config = _CONFIG
@@ -121,12 +124,29 @@ class TextPart(BaseModel):
     text: str = Field(description="The text of this part.")
 
 
+class CalledFunction(BaseModel):
+    model_config = _CONFIG
+
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, as JSON text.")
+
+
+class MessageToolCall(BaseModel):
+    model_config = _CONFIG
+
+    id: str = Field(description="The call's id, which a tool message answers with tool_call_id.")
+    type: Literal["function"] = Field(default="function", description="Only function calls.")
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks.")
     content: str | list[TextPart] | None = Field(default=None, description="Text, or a list of text parts.")
     name: str | None = Field(default=None, description="Optional participant name.")
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="An assistant's calls.")
+    tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (list content flattened to its text)."""
@@ -136,10 +156,30 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            # Templates (Qwen's, Llama's) write the arguments with `tojson`: hand them the object, as
+            # vLLM does, or they would be quoted twice.
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+def _arguments(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class ChatCompletionRequest(SamplingFields, ToolFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.deploy.jobs import ChoiceDelta, TokenLogprob
+from tandem.deploy.tool_calls import ToolCallStream, ToolMode, call_dicts, new_call_id
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -124,6 +125,12 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, model: str, created: int, tools: ToolMode | None = None) -> None:
+        super().__init__(response_id, model, created)
+        # With tools (other than tool_choice "none") replies are read for calls (tool_calls.py).
+        self._tools = tools if tools is not None and tools.choice != "none" else None
+        self._tool_streams: dict[int, ToolCallStream] = {}
+
     def start_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         # OpenAI opens each choice with a delta that carries only the role.
         return [
@@ -142,6 +149,8 @@ class ChatFormat(_Format):
         ]
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if self._tools is not None:
+            return self._tool_chunk(self._tools, delta)
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             return None
         body: dict[str, Any] = {"content": delta.text} if delta.text or delta.logprobs else {}
@@ -154,16 +163,37 @@ class ChatFormat(_Format):
         }
         return self._envelope(self.chunk_object_name, [choice])
 
+    def _tool_chunk(self, tools: ToolMode, delta: ChoiceDelta) -> dict[str, Any] | None:
+        stream = self._tool_streams.setdefault(delta.index, ToolCallStream(tools))
+        body, finish_reason = stream.delta(delta.text, delta.finish_reason)
+        if body is None and finish_reason is None:
+            return None
+        choice = {"index": delta.index, "delta": body or {}, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def _message(self, c: ChoiceResult) -> tuple[dict[str, Any], str | None]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if self._tools is None:
+            return message, c.finish_reason
+        content, calls = self._tools.parse(c.text)
+        if not calls:
+            return message, c.finish_reason
+        message["content"] = content
+        message["tool_calls"] = call_dicts(calls, [new_call_id() for _ in calls])
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
     def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
-        out = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c.logprobs) if c.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
+        out = []
+        for c in choices:
+            message, finish_reason = self._message(c)
+            out.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": _chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    "finish_reason": finish_reason,
+                }
+            )
         response = self._envelope(self.object_name, out)
         response["usage"] = usage
         return response

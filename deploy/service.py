@@ -63,7 +63,7 @@ class OpenAIService:
     async def chat_completions(self, request: ChatCompletionRequest) -> Response:
         self._check_model(request)
         job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
-        fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()))
+        fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()), tools=job.tool_mode)
         return await self._run(request, job, fmt)
 
     def models(self) -> dict[str, Any]:

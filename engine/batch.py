@@ -47,6 +47,19 @@ class SamplingBatch:
     any_explicit_seed: bool = True
     # Top-n logprobs to return per row; -1 for none. 0 returns only the chosen token's logprob.
     num_logprobs: int = -1
+    # Per-row constraints (constraints.py), None when no row has one, so plain batches pay nothing.
+    # Additive biases as sparse (row, token, value) triples: logit_bias, and -inf on end tokens below
+    # min_tokens.
+    bias_rows: torch.Tensor | None = None  # int64 [K], device
+    bias_ids: torch.Tensor | None = None  # int64 [K], device
+    bias_values: torch.Tensor | None = None  # float32 [K], device
+    # Structured outputs: bit v of bitmask[i] says whether token v is allowed in row bitmask_rows[i].
+    bitmask: torch.Tensor | None = None  # int32 [G, ceil(V / 32)], device
+    bitmask_rows: torch.Tensor | None = None  # int64 [G], device
+
+    @property
+    def constrained(self) -> bool:
+        return self.bias_rows is not None or self.bitmask is not None
 
     @classmethod
     def greedy(cls, batch: int, device: torch.device | str = "cpu") -> SamplingBatch:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.engine.attention import AttentionBackend, backend_factory
-from tandem.engine.batch import ForwardBatch, ForwardOutput
+from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
@@ -136,7 +136,13 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        return self._copy_to_host(self.sampler(self.logits(batch), batch.sampling))
+        return self.sample(self.logits(batch), batch.sampling)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> ForwardOutput:
+        """Sample from `logits` (from `logits`) and start the copy of the tokens to the host. Apart from
+        `forward`, so the scheduler can launch a batch's forward before its token bitmasks are known."""
+        return self._copy_to_host(self.sampler(logits, sampling))
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:

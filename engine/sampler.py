@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tandem.engine.batch import SamplingBatch
+from tandem.engine.constraints import constrain_logits
 
 _MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
@@ -215,7 +216,7 @@ class Sampler:
             )
             return SampleResult(tokens, None, None, None)
         raw = logits[:, : self.vocab_size].float()
-        penalised = apply_penalties(raw, batch)
+        penalised = constrain_logits(apply_penalties(raw, batch), batch)
         if batch.all_greedy:
             # torch.argmax returns the first maximal index: ties go to the lowest id, deterministically.
             tokens = penalised.argmax(dim=-1)
@@ -228,7 +229,9 @@ class Sampler:
         count), for logits of `logits_dtype` as the model hands them over (Triton builds a kernel per
         input dtype: warmed for another, the first requests would pay for seven builds), so no request
         waits on a build, and check its tokens against the torch race on a small batch. On any failure
-        the race is switched off, and the reason returned for the log."""
+        the race is switched off, and the reason returned for the log. The constraints' bitmask kernel
+        is built first, whatever the race."""
+        self._warm_up_constraints()
         if self._race_one_pass is None or self._vocab_keys is None:
             return None
         device = self._vocab_keys.device
@@ -252,6 +255,16 @@ class Sampler:
             return f"one-pass sampling race off: {exc!r}"
         return None
 
+    def _warm_up_constraints(self) -> None:
+        """Build the bitmask kernel (xgrammar's Triton kernel on CUDA) now, not on the first
+        structured-output request."""
+        device = self._generator.device
+        batch = SamplingBatch.greedy(1, device)
+        bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+        rows = torch.zeros(1, dtype=torch.int64, device=device)
+        logits = torch.zeros(1, self.vocab_size, device=device)
+        constrain_logits(logits, replace(batch, bitmask=bitmask, bitmask_rows=rows))
+
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
         return (
@@ -261,6 +274,7 @@ class Sampler:
             and not batch.any_top_k_top_p
             and not batch.any_min_p
             and batch.num_logprobs < 0
+            and not batch.constrained
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

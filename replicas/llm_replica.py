@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import fields
 from typing import Any
 
 from tandem.cluster import placement
@@ -24,18 +23,17 @@ from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
-from tandem.scheduler.messages import AbortRequest, AddRequest, SamplingSpec, TokenOutput
+from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
+from tandem.scheduler.messages import AbortRequest, AddRequest, TokenOutput
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
-from tandem.scheduler.sampling_params import SamplingParams
+from tandem.scheduler.sampling_params import SamplingParams, to_spec
 
 HEALTH_PERIOD_S = 1.0
+# A structured-output constraint that takes longer to compile is refused (a 400); its compile runs on.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
-def to_spec(params: SamplingParams) -> SamplingSpec:
-    names = {f.name for f in fields(SamplingParams)} - {"stop"}
-    values = {n: getattr(params, n) for n in names}
-    values["stop_token_ids"] = tuple(params.stop_token_ids or ())
-    return SamplingSpec(**values)
+__all__ = ["LLMReplica", "to_spec"]
 
 
 class LLMReplica:
@@ -70,6 +68,7 @@ class LLMReplica:
         self._problems: list[str] = []
         self._draining = False
         self._start_lock = asyncio.Lock()
+        self._grammars: GrammarCache | None = None  # compiles only to validate: the ranks keep their own
 
     @staticmethod
     def placement_bundles(
@@ -166,6 +165,25 @@ class LLMReplica:
         if reason is not None:
             raise ValueError(reason)
 
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        """Compile the output constraint off the event loop, bounded in time: why it cannot be used, or
+        None. Compiles are cached per distinct constraint."""
+        if sampling.structured_outputs is None:
+            return None
+        await self.start()
+        if self._grammars is None:
+            tokenizer, vocab = self.tokenizer, self.vocab_size
+            self._grammars = GrammarCache(lambda: hf_tokenizer_info(tokenizer, vocab, ()))
+        try:
+            future = self._grammars.compile(sampling.structured_outputs.spec())
+            # shield: a timeout must not cancel the shared compile other requests may be waiting on.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), GRAMMAR_COMPILE_TIMEOUT_S)
+        except ValueError as exc:
+            return str(exc)
+        except TimeoutError:
+            return f"it took longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile"
+        return None
+
     async def submit(
         self,
         prompt_token_ids: list[int],
@@ -178,6 +196,9 @@ class LLMReplica:
         The caller must `release` the stream when done with it (finished or not)."""
         await self.start()
         self.validate(prompt_token_ids, sampling)
+        problem = await self.check_structured(sampling)
+        if problem is not None:
+            raise ValueError(f"structured_outputs cannot be used: {problem}")
         if self._draining:
             raise RuntimeError("the replica is shutting down and admits no new requests")
         if self._problems:

@@ -53,12 +53,14 @@ class PreparedBatch:
 
 
 class BatchBuilder:
-    def __init__(self, table: RequestTable, kv: KVManager, device: torch.device) -> None:
+    def __init__(
+        self, table: RequestTable, kv: KVManager, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.table = table
         self.kv = kv
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
-        self.params = SlotParams(table.max_running)
+        self.params = SlotParams(table.max_running, eos_token_ids)
 
     def admit(self, req: Request) -> None:
         """Record a request that has just taken its slot."""
@@ -148,14 +150,16 @@ class BatchBuilder:
         temperature, top_p, top_k = p.temperature[slots], p.top_p[slots], p.top_k[slots]
         min_p, logprobs = p.min_p[slots], p.logprobs[slots]
         prompt_lens = p.prompt_len[slots]
+        steps = device_lens - prompt_lens  # outputs scheduled so far: the index of this row's sample
         return _StagedSampling(
             tensors={
+                **self._stage_bias(stage, slots, steps),
                 "temperature": stage.add(temperature, np.float32),
                 "top_p": stage.add(top_p, np.float32),
                 "top_k": stage.add(top_k, np.int64),
                 "min_p": stage.add(min_p, np.float32),
                 "seeds": stage.add(p.seed[slots], np.int64),
-                "steps": stage.add(device_lens - prompt_lens, np.int64),  # outputs scheduled so far
+                "steps": stage.add(steps, np.int64),
                 "presence_penalty": stage.add(p.presence_penalty[slots], np.float32),
                 "frequency_penalty": stage.add(p.frequency_penalty[slots], np.float32),
                 "repetition_penalty": stage.add(p.repetition_penalty[slots], np.float32),
@@ -170,6 +174,32 @@ class BatchBuilder:
             },
             num_logprobs=int(logprobs.max()) if len(rows) else -1,
         )
+
+    def _stage_bias(self, stage: Staging, slots: IntArray, steps: IntArray) -> dict[str, int]:
+        """(row, token, value) triples of logit_bias and of min_tokens' -inf on end tokens; exact under
+        the overlap loop, since a row's step index is known at schedule time."""
+        p = self.params
+        held = steps < p.min_tokens[slots]
+        biased = np.flatnonzero(p.has_bias[slots] | held)
+        if not len(biased):
+            return {}
+        rows: list[int] = []
+        ids: list[int] = []
+        values: list[float] = []
+        for row in biased.tolist():
+            slot = int(slots[row])
+            bias_ids, bias_values = p.bias[slot]
+            if held[row]:
+                ends = p.end_ids[slot]
+                bias_ids, bias_values = [*bias_ids, *ends], [*bias_values, *([-np.inf] * len(ends))]
+            rows.extend([row] * len(bias_ids))
+            ids.extend(bias_ids)
+            values.extend(bias_values)
+        return {
+            "bias_rows": stage.add(rows, np.int64),
+            "bias_ids": stage.add(ids, np.int64),
+            "bias_values": stage.add(values, np.float32),
+        }
 
     def _stage_history(self, stage: Staging, slots: IntArray, device_lens: IntArray) -> int | None:
         if not self.params.has_penalty[slots].any():
@@ -210,4 +240,7 @@ class _StagedSampling:
             any_min_p=f["any_min_p"],
             any_explicit_seed=f["any_explicit_seed"],
             num_logprobs=self.num_logprobs,
+            bias_rows=t.get("bias_rows"),
+            bias_ids=t.get("bias_ids"),
+            bias_values=t.get("bias_values"),
         )

@@ -6,6 +6,17 @@ from __future__ import annotations
 import msgspec
 
 
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A structured-output constraint as every rank compiles it: the same text gives the same matcher.
+
+    `kind` is "json_schema" (text: the schema as canonical JSON), "json_object" (text unused),
+    "regex", "choice" (text: a JSON list of strings) or "grammar" (text: xgrammar EBNF).
+    """
+
+    kind: str
+    text: str = ""
+
+
 class SamplingSpec(msgspec.Struct, frozen=True):
     """The wire form of SamplingParams that the scheduler needs (stop strings stay in the replica)."""
 
@@ -21,6 +32,9 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), bias already capped to +-100
+    grammar: GrammarSpec | None = None
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.scheduler.grammar import GrammarState
 from tandem.scheduler.messages import SamplingSpec
 
 _SEED_MASK = (1 << 62) - 1
@@ -36,6 +37,7 @@ class Request:
     prefix_handle: object | None = None
     last_batch: int = -1  # id of the latest batch this request was scheduled in
     released: bool = False  # its pages have gone back to the pool or the prefix cache
+    grammar: GrammarState | None = None  # its structured-output matcher, if it has a constraint
 
     # Cached: read several times per request per step, and prompt_ids never changes.
     prompt_len: int = field(init=False)

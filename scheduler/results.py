@@ -35,7 +35,14 @@ class ResultProcessor:
             token = int(tokens[i])
             req.output_ids.append(token)
             spec = req.sampling
-            if token in spec.stop_token_ids or (not spec.ignore_eos and token in self.eos):
+            if req.grammar is not None and not req.grammar.accept(token):
+                # Masked sampling only draws allowed tokens, so this is a failed compile (or a bug).
+                req.finish_reason = "abort"
+            elif (
+                token in spec.stop_token_ids
+                or (not spec.ignore_eos and token in self.eos)
+                or (req.grammar is not None and req.grammar.terminated)
+            ):
                 req.finish_reason = "stop"
             elif (
                 len(req.output_ids) >= spec.max_tokens

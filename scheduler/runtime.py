@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from tandem.engine.engine_config import (
 )
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
 from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
@@ -151,7 +153,10 @@ class RankRuntime:
             seed=options.seed,
             guard_inflight_pages=options.guard_inflight_pages,
         )
-        self.scheduler = Scheduler(sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit)
+        grammars = GrammarCache(lambda: _tokenizer_info(model_dir, mc.vocab_size, mc.eos_token_ids))
+        self.scheduler = Scheduler(
+            sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit, grammars=grammars
+        )
         self.overlap = options.overlap
         self._last: InFlight | None = None
 
@@ -177,3 +182,10 @@ class RankRuntime:
             vocab_size=self.engine.model_config.vocab_size,
             max_running=self.scheduler.config.max_running,
         )
+
+
+def _tokenizer_info(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+    """xgrammar's view of the model's vocabulary, for the rank's structured-output matchers."""
+    from transformers import AutoTokenizer
+
+    return hf_tokenizer_info(AutoTokenizer.from_pretrained(model_dir), vocab_size, eos_token_ids)

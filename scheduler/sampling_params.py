@@ -2,9 +2,54 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tandem.scheduler.messages import GrammarSpec, SamplingSpec
 
 MAX_LOGPROBS = 20
+LOGIT_BIAS_CAP = 100.0  # OpenAI's range for logit_bias values; larger magnitudes are capped to it
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One constraint on the output, named as vLLM's `StructuredOutputsParams`: set exactly one field.
+
+    `json`: a JSON schema (a dict or its JSON text); `json_object`: any JSON object; `regex`: a regular
+    expression; `choice`: the output is exactly one of these strings; `grammar`: an EBNF grammar in
+    xgrammar's dialect (GBNF-like: `root ::= ...`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def spec(self) -> GrammarSpec:
+        """The wire form every rank compiles (a schema as compact JSON, its key order kept: it is the
+        order of the output's properties). Raises ValueError unless exactly one field is set."""
+        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {chosen or 'none'}"
+            )
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be a JSON object")
+            return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            return GrammarSpec("choice", json.dumps(list(self.choice)))
+        if self.grammar is not None:
+            return GrammarSpec("grammar", self.grammar)
+        return GrammarSpec("json_object")
 
 
 @dataclass
@@ -24,6 +69,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Added after the fixed §6 fields: EOS and stop_token_ids are masked until this many outputs.
+    min_tokens: int = 0
+    # token id -> value added to its logit (OpenAI's logit_bias; values beyond +-100 are capped).
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and its allowed range."""
@@ -41,6 +91,10 @@ class SamplingParams:
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an int"),
+            (
+                isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens must be an int in [0, max_tokens]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -51,6 +105,13 @@ class SamplingParams:
         for text in self.stop_strings:
             if not text:
                 raise ValueError("stop strings must be non-empty")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not isinstance(bias, (int, float)) or bias != bias:
+                raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.spec()
 
     def _value_of(self, message: str) -> object:
         return getattr(self, message.split()[0])
@@ -68,3 +129,18 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def to_spec(params: SamplingParams) -> SamplingSpec:
+    """The scheduler's wire form of `params` (stop strings stay with the detokenizer)."""
+    own = {"stop", "stop_token_ids", "logit_bias", "structured_outputs"}
+    values: dict[str, Any] = {f.name: getattr(params, f.name) for f in fields(SamplingParams)}
+    values = {n: v for n, v in values.items() if n not in own}
+    bias = tuple(
+        (int(t), max(-LOGIT_BIAS_CAP, min(LOGIT_BIAS_CAP, float(b))))
+        for t, b in sorted((params.logit_bias or {}).items())
+    )
+    grammar = params.structured_outputs.spec() if params.structured_outputs is not None else None
+    return SamplingSpec(
+        **values, stop_token_ids=tuple(params.stop_token_ids or ()), logit_bias=bias, grammar=grammar
+    )

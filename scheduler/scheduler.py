@@ -12,10 +12,11 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, ForwardOutput
+from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
+from tandem.scheduler.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.request import Request
@@ -29,13 +30,24 @@ class EngineLike(Protocol):
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
 
+    def logits(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> ForwardOutput: ...
+
 
 @dataclass
 class InFlight:
-    """A launched batch whose results have not been processed yet."""
+    """A launched batch whose results have not been processed yet.
+
+    A batch with structured-output rows is launched in two halves: the forward (`logits`), then,
+    once the tokens before it are accepted by their matchers, the masked sample that sets `output`.
+    """
 
     prepared: PreparedBatch
-    output: ForwardOutput
+    output: ForwardOutput | None
+    sampling: SamplingBatch | None = None  # set while the sample is pending
+    logits: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None  # batch rows with a matcher that sample this step
 
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]
@@ -52,6 +64,7 @@ class Scheduler:
         streams: StreamSet,
         eos_token_ids: tuple[int, ...],
         emit: Callable[[list[TokenOutput]], None],
+        grammars: GrammarCache | None = None,
     ) -> None:
         self.config = config
         self.timer = StepTimer()  # wall time per loop phase (see step_timer.py)
@@ -62,7 +75,9 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        self.builder = BatchBuilder(self.table, kv, self.device)
+        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids)
+        self.grammars = grammars
+        self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self.has_window = any(g.window is not None for g in kv.groups)
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
@@ -80,7 +95,14 @@ class Scheduler:
                 self.results.emit_finish(msg.rid, "abort")
                 return
             seed = Request.derive_seed(self.config.seed, msg.rid, msg.sampling.seed)
-            self.waiting[msg.rid] = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed)
+            req = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed)
+            if msg.sampling.grammar is not None:
+                if self.grammars is None:
+                    self.results.emit_finish(msg.rid, "abort")
+                    return
+                # The compile starts now, on its thread; the matcher is first needed after the prefill.
+                req.grammar = GrammarState(self.grammars.compile(msg.sampling.grammar))
+            self.waiting[msg.rid] = req
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid)
 
@@ -174,7 +196,10 @@ class Scheduler:
                     )
 
     # ---- launch and results ----------------------------------------------------------------
-    def _launch(self, prepared: PreparedBatch) -> InFlight:
+    def _launch(self, prepared: PreparedBatch, defer_masks: bool = False) -> InFlight:
+        """Start the batch on the engine. A batch with structured-output rows only runs its forward here
+        when `defer_masks` (the overlap loop: their previous tokens are not accepted yet); `_sample`
+        finishes it once they are."""
         pool = self.table.token_pool
         input_ids = pool[prepared.input_mapping]
         sampling = prepared.sampling
@@ -193,11 +218,39 @@ class Scheduler:
             sampling=sampling,
             is_decode=prepared.is_decode,
         )
-        output = self.engine.forward(batch)
-        pool[prepared.output_mapping] = output.next_tokens
-        return InFlight(prepared, output)
+        rows = prepared.rows
+        grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
+        if not grammar_rows:
+            output = self.engine.forward(batch)
+            pool[prepared.output_mapping] = output.next_tokens
+            return InFlight(prepared, output)
+        flight = InFlight(prepared, None, batch.sampling, self.engine.logits(batch), grammar_rows)
+        if not defer_masks:
+            self._sample(flight)
+        return flight
+
+    def _sample(self, flight: InFlight) -> None:
+        """Mask, sample and store the tokens of a batch launched with its sample pending. Every earlier
+        batch has been processed by now, so each matcher has accepted every token before this step's."""
+        assert flight.sampling is not None and flight.logits is not None and flight.grammar_rows is not None
+        rows = flight.prepared.rows
+        states = [rows[i].req.grammar for i in flight.grammar_rows]
+        pin = self.device.type == "cuda"
+        if self._bitmasks is None:
+            self._bitmasks = BitmaskFiller()
+        bitmask = self._bitmasks.fill([s for s in states if s is not None], pin)
+        index = torch.tensor(flight.grammar_rows, dtype=torch.int64, pin_memory=pin)
+        sampling = replace(
+            flight.sampling,
+            bitmask=bitmask.to(self.device, non_blocking=True),
+            bitmask_rows=index.to(self.device, non_blocking=True),
+        )
+        flight.output = self.engine.sample(flight.logits, sampling)
+        self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens
+        flight.sampling = flight.logits = None
 
     def _process(self, done: InFlight) -> None:
+        assert done.output is not None, "a batch is sampled before it is processed"
         with self.timer.phase("wait"):  # blocked on the device: the rest of the step is host time
             done.output.copy_done.synchronize()
         batch_id = done.prepared.batch_id
@@ -243,10 +296,15 @@ class Scheduler:
             with self.streams.use(self.streams.engine), self.timer.phase("launch"):
                 self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
-                ongoing = self._launch(prepared)
+                ongoing = self._launch(prepared, defer_masks=True)
         if last is not None:
             with self.timer.phase("process_results"):
                 self._process(last)
+        if ongoing is not None and ongoing.output is None:
+            # Structured-output rows: batch N is processed, so their masks for N+1 are exact now; the
+            # forward of N+1 has been running on the device meanwhile.
+            with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):
+                self._sample(ongoing)
         return ongoing
 
     def stats(self) -> dict[str, int | list[int]]:

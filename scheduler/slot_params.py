@@ -15,8 +15,9 @@ from tandem.scheduler.messages import SamplingSpec
 class SlotParams:
     """Columns indexed by request slot; a slot's values are meaningful only while it is taken."""
 
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, max_running: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         n = max_running
+        self.eos_token_ids = eos_token_ids
         self.temperature = np.zeros(n, dtype=np.float32)
         self.top_p = np.ones(n, dtype=np.float32)
         self.top_k = np.zeros(n, dtype=np.int64)
@@ -29,6 +30,12 @@ class SlotParams:
         self.has_penalty = np.zeros(n, dtype=bool)
         self.prompt_len = np.zeros(n, dtype=np.int64)
         self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none requested
+        # Additive logit constraints (engine/constraints.py): logit_bias always, and -inf on the tokens
+        # that would end the output while fewer than min_tokens outputs are scheduled.
+        self.has_bias = np.zeros(n, dtype=bool)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        self.bias: list[tuple[list[int], list[float]]] = [([], [])] * n
+        self.end_ids: list[list[int]] = [[]] * n
 
     def set(self, slot: int, spec: SamplingSpec, seed: int, prompt_len: int) -> None:
         self.temperature[slot] = spec.temperature
@@ -45,3 +52,10 @@ class SlotParams:
         )
         self.prompt_len[slot] = prompt_len
         self.logprobs[slot] = -1 if spec.logprobs is None else spec.logprobs
+        self.has_bias[slot] = bool(spec.logit_bias)
+        self.bias[slot] = ([t for t, _ in spec.logit_bias], [b for _, b in spec.logit_bias])
+        # Under a grammar the grammar decides where the output ends (it may allow nothing but the end
+        # token), so min_tokens only holds back the ends of unconstrained outputs.
+        self.min_tokens[slot] = 0 if spec.grammar is not None else spec.min_tokens
+        ends = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(self.eos_token_ids))
+        self.end_ids[slot] = sorted(ends)

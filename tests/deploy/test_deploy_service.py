@@ -69,6 +69,9 @@ class FakeReplica:
         if 13 in prompt_token_ids:
             raise ValueError("token 13 is unlucky")
 
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        return None
+
     async def submit(
         self,
         prompt_token_ids: list[int],

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
 from tandem.replicas.llm_replica import LLMReplica
+from tandem.scheduler.sampling_params import StructuredOutputs
 
 MAX_NEW = 16
 
@@ -94,6 +95,15 @@ def test_seeded_sampling_agrees_across_ranks_and_abort_frees_kv(ray_cluster: Non
             assert all(o["finish"] in ("stop", "length") for o in outs)
             per_rank = await rep.sampled_tokens()
             assert per_rank[0] == per_rank[1] and len(per_rank[0]) >= len(prompts)
+            # Structured outputs: each rank masks with its own matchers, so they must agree too.
+            regex = SamplingParams(
+                max_tokens=8, seed=5, structured_outputs=StructuredOutputs(regex="[0-9]{3}")
+            )
+            constrained = await asyncio.gather(*(collect(rep, p, regex) for p in prompts))
+            texts = [rep.tokenizer.decode(o["tokens"], skip_special_tokens=True) for o in constrained]
+            assert all(len(t) == 3 and t.isdigit() for t in texts), texts
+            per_rank = await rep.sampled_tokens()
+            assert per_rank[0] == per_rank[1]
             # Abort long requests mid-flight by dropping their consumers.
             long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 

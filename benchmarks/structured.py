@@ -1,0 +1,153 @@
+"""Structured outputs' cost: the offline workload (offline.py's 256 requests) run plain, then with every
+other request under a small JSON schema, on the same engine.
+
+Reported: output tokens/s of both runs and their ratio (mixed / plain), and the plain requests' mean
+time per output token (TPOT: first to last token of each, over its tokens after the first) in both, so
+a slowdown of the unconstrained rows shows. Under the schema a random-weight model writes strings and
+integer lists without end, so constrained rows run to max_tokens as the plain ones do (ignore_eos holds
+for both; a constrained row could only stop early by completing its object).
+
+    python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
+    python benchmarks/structured.py --num-seqs 8 --max-input 64 --max-output 32 --layers 1 --device cpu \
+        --model-dir /tmp/tandem-bench/qwen3-1l --tag smoke --out-dir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
+from tandem.benchmarks.offline import pages_for, workload
+from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
+from tandem.scheduler.messages import TokenOutput
+from tandem.scheduler.sampling_params import StructuredOutputs
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "score": {"type": "number"},
+        "values": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["name", "score", "values"],
+}
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    """One timed run; per-request token times are taken where the scheduler emits its outputs."""
+    results = llm.runtime.scheduler.results
+    emit = results.emit
+    first_rid = llm._next_rid  # generate numbers the requests from here, in order
+    times: dict[int, list[float]] = {}
+
+    def recording(outs: list[TokenOutput]) -> None:
+        now = time.perf_counter()
+        for out in outs:
+            if out.token_id is not None:
+                times.setdefault(out.rid, []).append(now)
+        emit(outs)
+
+    results.emit = recording
+    timer = llm.runtime.scheduler.timer
+    timer.reset()
+    try:
+        sync(llm.runtime.engine.config.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(llm.runtime.engine.config.device)
+        elapsed = time.perf_counter() - start
+    finally:
+        results.emit = emit
+    tokens = sum(len(o.token_ids) for o in outs)
+    plain = [i for i, p in enumerate(params) if p.structured_outputs is None]
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) for i in plain if len(t := times.get(first_rid + i, [])) > 1]
+    constrained = [o for o, p in zip(outs, params) if p.structured_outputs is not None]
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed,
+        "plain_tpot_ms": 1e3 * sum(tpots) / max(len(tpots), 1),
+        "constrained_requests": len(constrained),
+        "constrained_tokens": sum(len(o.token_ids) for o in constrained),
+        "constrained_finish_reasons": sorted({str(o.finish_reason) for o in constrained}),
+        # Loop phases (scheduler/step_timer.py); `masked_sample` is the constrained batches' sample,
+        # run after the previous batch's results.
+        "step_phases": timer.summary(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input", type=int, default=100)
+    parser.add_argument("--max-input", type=int, default=1024)
+    parser.add_argument("--min-output", type=int, default=100)
+    parser.add_argument("--max-output", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
+    parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/qwen3-0.6b"))
+    parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
+    parser.add_argument("--tag", default="h200", help="result file: structured-<tag>.json")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    shape = {**QWEN3_0_6B, "num_hidden_layers": args.layers}
+    model_dir = write_random_model(args.model_dir, "qwen3", device=device, **shape)
+    prompts, plain_params = workload(args)
+    schema = StructuredOutputs(json=SCHEMA)
+    mixed_params = [replace(p, structured_outputs=schema) if i % 2 else p for i, p in enumerate(plain_params)]
+    options: dict[str, Any] = {
+        "device": args.device,
+        "page_size": 16,
+        "num_pages": pages_for(prompts, plain_params),
+        "max_running": args.max_running,
+        "chunk_size": args.chunk_size,
+    }
+    llm = LLM(str(model_dir), **options)
+    # Warm-up of both paths (kernel builds, the schema's compile and xgrammar's tokenizer info).
+    warm = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
+    llm.generate(prompts[:8], [warm, replace(warm, structured_outputs=schema)] * 4, use_tqdm=False)
+    plain = timed_generate(llm, prompts, plain_params)
+    mixed = timed_generate(llm, prompts, mixed_params)
+    llm.shutdown()
+    release_memory()
+    ratio = mixed["output_tok_per_s"] / plain["output_tok_per_s"]
+    payload = {
+        "plain_tok_s": plain["output_tok_per_s"],
+        "mixed_tok_s": mixed["output_tok_per_s"],
+        "ratio": ratio,
+        "plain_tpot_ms": {"plain_run": plain["plain_tpot_ms"], "mixed_run": mixed["plain_tpot_ms"]},
+        "config": {
+            "model": "Qwen3-0.6B shape, random bf16 weights",
+            "model_shape": shape,
+            "num_seqs": args.num_seqs,
+            "input_len": [args.min_input, args.max_input],
+            "output_len": [args.min_output, args.max_output],
+            "constrained": "every other request (odd indices)",
+            "schema": SCHEMA,
+            "temperature": 0.6,
+            "ignore_eos": True,
+            **options,
+        },
+        "runs": {"plain": plain, "mixed": mixed},
+    }
+    path = write_result(f"structured-{args.tag}", payload, device=device, out_dir=args.out_dir)
+    print(
+        f"{path}: plain {plain['output_tok_per_s']:.0f} tok/s, mixed {mixed['output_tok_per_s']:.0f} tok/s, "
+        f"ratio {ratio:.3f}; plain rows' TPOT {plain['plain_tpot_ms']:.2f} -> {mixed['plain_tpot_ms']:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Logit constraints applied before sampling: additive biases and structured-output token bitmasks.
+
+Both act on the float32 logits after penalties and before temperature and the filters, as in vLLM, on
+a copy, so the logprobs the API reports stay those of the model. The bitmask is xgrammar's packed
+format (bit v % 32 of word v // 32), applied with xgrammar's kernel: its Triton kernel on CUDA, its C++
+loop on CPU. Only the constrained rows are gathered and masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+from tandem.engine.batch import SamplingBatch
+
+
+def constrain_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """`logits` [B, V] float32 with the batch's biases added and disallowed tokens at -inf (a copy)."""
+    if not batch.constrained:
+        return logits
+    out = logits.clone()
+    if batch.bias_rows is not None:
+        assert batch.bias_ids is not None and batch.bias_values is not None
+        out.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values.to(out.dtype), accumulate=True)
+    if batch.bitmask is not None:
+        assert batch.bitmask_rows is not None
+        rows = out.index_select(0, batch.bitmask_rows)
+        xgr.apply_token_bitmask_inplace(rows, batch.bitmask, vocab_size=out.shape[-1])
+        out.index_copy_(0, batch.bitmask_rows, rows)
+    return out

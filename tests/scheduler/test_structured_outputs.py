@@ -1,0 +1,183 @@
+"""Structured outputs, logit_bias and min_tokens through the offline API on a random-weight tiny model:
+only real masking can make a random model write schema-valid JSON or honour a bias."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.batch import SamplingBatch
+from tandem.engine.sampler import Sampler
+from tandem.scheduler.grammar import GrammarCache, choice_grammar
+from tandem.scheduler.messages import GrammarSpec
+from tandem.scheduler.sampling_params import StructuredOutputs, to_spec
+
+# Nested objects, an array of enums, bounded integers and patterned strings: every branch closes.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "pet": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "maximum": 4}},
+            "required": ["kind", "legs"],
+        },
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "pet", "ok"],
+}
+
+
+def _llm(tiny_model_dir: Any, overlap: bool) -> LLM:
+    return LLM(str(tiny_model_dir("qwen3")), device="cpu", page_size=4, overlap=overlap)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Any) -> LLM:
+    return _llm(tiny_model_dir, overlap=True)
+
+
+def _schema_params(seed: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=96, temperature=1.0, seed=seed, structured_outputs=StructuredOutputs(json=SCHEMA)
+    )
+
+
+def test_json_schema_outputs_validate_in_a_batch_mixed_with_plain_rows(llm: LLM, tiny_model_dir: Any) -> None:
+    plain = [SamplingParams(max_tokens=12, temperature=0.0)] * 2
+    prompts = ["a poem about the sea", "the capital of"]
+    alone = llm.generate(prompts[:2], plain, use_tqdm=False)
+    mixed = llm.generate(
+        prompts[:2] + prompts * 2, plain + [_schema_params(s) for s in range(4)], use_tqdm=False
+    )
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]  # plain rows unaffected
+    for out in mixed[2:]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    # The normal loop masks at launch, the overlap loop after the previous step: the same tokens.
+    normal = _llm(tiny_model_dir, overlap=False)
+    try:
+        again = normal.generate(
+            prompts[:2] + prompts * 2, plain + [_schema_params(s) for s in range(4)], use_tqdm=False
+        )
+    finally:
+        normal.shutdown()
+    assert [o.token_ids for o in again] == [o.token_ids for o in mixed]
+
+
+@pytest.mark.parametrize(
+    ("structured", "check"),
+    [
+        (
+            StructuredOutputs(choice=["yes", "no", 'a "quoted" one']),
+            lambda t: t in ("yes", "no", 'a "quoted" one'),
+        ),
+        (
+            StructuredOutputs(regex=r"[0-9]{3}-[a-c]{2}"),
+            lambda t: len(t) == 6 and t[3] == "-" and t[:3].isdigit(),
+        ),
+        (
+            StructuredOutputs(grammar='root ::= "(" [a-z]{1,5} ")"'),
+            lambda t: t.startswith("(") and t.endswith(")"),
+        ),
+    ],
+)
+def test_choice_regex_and_grammar(llm: LLM, structured: StructuredOutputs, check: Any) -> None:
+    params = [SamplingParams(max_tokens=24, seed=s, structured_outputs=structured) for s in range(4)]
+    for out in llm.generate(["answer:"] * 4, params, use_tqdm=False):
+        assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_json_object_parses(llm: LLM) -> None:
+    params = SamplingParams(
+        max_tokens=32, temperature=0.0, structured_outputs=StructuredOutputs(json_object=True)
+    )
+    out = llm.generate(["json:"], params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict), out.text
+
+
+def test_logit_bias_and_min_tokens(llm: LLM) -> None:
+    prompt = [[7, 8, 9, 10]]
+    free = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    forced = free.token_ids[0] + 1
+    biased = llm.generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0.0, logit_bias={forced: 100.0}), use_tqdm=False
+    )[0]
+    assert biased.token_ids == [forced] * 6
+    banned = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=6, temperature=0.0, logit_bias={free.token_ids[0]: -100.0}),
+        use_tqdm=False,
+    )[0]
+    assert banned.token_ids[0] != free.token_ids[0]
+    # The first greedy token made a stop token: alone it ends the output at once; min_tokens holds it.
+    stop = free.token_ids[0]
+    short = llm.generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop]), use_tqdm=False
+    )
+    assert short[0].token_ids == [stop] and short[0].finish_reason == "stop"
+    held = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop], min_tokens=3),
+        use_tqdm=False,
+    )[0]
+    assert len(held.token_ids) >= 3 and stop not in held.token_ids[:3]
+
+
+def test_logit_bias_is_capped_and_validated() -> None:
+    spec = to_spec(SamplingParams(logit_bias={5: 1e9, 2: -1e9}))
+    assert spec.logit_bias == ((2, -100.0), (5, 100.0))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0}).validate()  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3).validate()
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputs(regex="a", json_object=True)).validate()
+
+
+def test_sampler_applies_bias_and_bitmask_to_their_rows_only() -> None:
+    vocab = 70
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    batch = SamplingBatch.greedy(3)
+    plain = Sampler(vocab)(logits, batch).next_tokens
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 9  # row 2 may only take token 41
+    constrained = Sampler(vocab)(
+        logits,
+        replace(
+            batch,
+            bias_rows=torch.tensor([0]),
+            bias_ids=torch.tensor([13]),
+            bias_values=torch.tensor([1e4]),
+            bitmask=bitmask,
+            bitmask_rows=torch.tensor([2]),
+        ),
+    ).next_tokens
+    assert constrained.tolist() == [13, int(plain[1]), 41]
+
+
+def test_compile_errors_name_the_reason(tiny_model_dir: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from tandem.scheduler.grammar import hf_tokenizer_info
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    cache = GrammarCache(lambda: hf_tokenizer_info(tokenizer, len(tokenizer), (tokenizer.eos_token_id,)))
+    try:
+        with pytest.raises(ValueError, match="foo"):
+            cache.compile(GrammarSpec("json_schema", '{"type": "foo"}')).result()
+        with pytest.raises(ValueError, match="Unclosed"):
+            cache.compile(GrammarSpec("regex", "[a-")).result()
+        spec = GrammarSpec("regex", "a+")
+        assert cache.compile(spec) is cache.compile(spec)  # compiled once
+    finally:
+        cache.close()
+    assert choice_grammar(['a"b', "c"]) == 'root ::= "a\\"b" | "c"'
