@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tandem.deploy.cli import DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.processes import port_holder
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -119,7 +120,8 @@ def test_haproxy_ingress_serves_streams_without_the_python_proxy(tmp_path: Path)
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         assert isinstance(caught.value.body, dict) and "message" in caught.value.body
     assert not (_haproxy_pids() - before)  # no HAProxy outlives its server, to keep the port
-    assert _is_free(int(port))
+    # Free to a server (which, like this check, binds past the old connections' TIME_WAIT).
+    assert port_holder("127.0.0.1", int(port)) is None
     with tandem_serve(["--ingress", "proxy", "--port", port], tmp_path) as (url, _):
         client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
         reply = client.completions.create(model="tandem-tiny", prompt="The fox", max_tokens=4)
