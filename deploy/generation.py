@@ -235,6 +235,7 @@ class GenerationService:
             logprobs=logprobs,
             finish_reason=chunk.finish_reason,
             error=chunk.error,
+            cached_tokens=chunk.cached_tokens,
         )
 
 

@@ -19,7 +19,7 @@ from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, m
 from tandem.deploy.job_builder import chat_job, completion_job
 from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobAccepted, JobEvent, JobRejected
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tandem.deploy.responses import ChatFormat, ChoiceResult, CompletionFormat, usage_dict
+from tandem.deploy.responses import CachedTokens, ChatFormat, ChoiceResult, CompletionFormat, usage_dict
 from tandem.deploy.stats import aggregate_stats
 
 logger = logging.getLogger(__name__)
@@ -105,15 +105,22 @@ class OpenAIService:
             raise internal_error(f"unexpected first event {type(first).__name__}")
         prompt_tokens = sum(first.prompt_tokens)
         if request.stream:
-            stream = self._stream(events, fmt, job.num_choices, prompt_tokens, request.include_usage)
+            stream = self._stream(
+                events, fmt, job.num_choices, prompt_tokens, request.include_usage, CachedTokens(job.n)
+            )
             # The job's choices are already on the ranks. Started, the stream holds the job open, so
             # closing it aborts them even if nothing was read (a client gone before the headers).
             await anext(stream)
             return cast(AsyncGenerator[dict[str, Any], None], stream)
-        return await self._collect(events, fmt, job.num_choices, prompt_tokens)
+        return await self._collect(events, fmt, job.num_choices, prompt_tokens, CachedTokens(job.n))
 
     async def _collect(
-        self, events: AsyncGenerator[JobEvent, None], fmt: _Format, num_choices: int, prompt_tokens: int
+        self,
+        events: AsyncGenerator[JobEvent, None],
+        fmt: _Format,
+        num_choices: int,
+        prompt_tokens: int,
+        cached: CachedTokens,
     ) -> dict[str, Any]:
         choices = [ChoiceResult(index=i) for i in range(num_choices)]
         async with aclosing(events):
@@ -121,10 +128,11 @@ class OpenAIService:
                 if isinstance(event, ChoiceDelta):
                     _raise_if_failed(event)
                     choices[event.index].add(event)
+                    cached.add(event)
         if any(c.finish_reason is None for c in choices):
             raise unavailable("the model server stopped before every choice finished")
         completion_tokens = sum(c.num_tokens for c in choices)
-        return fmt.response(choices, usage_dict(prompt_tokens, completion_tokens))
+        return fmt.response(choices, usage_dict(prompt_tokens, completion_tokens, cached.total))
 
     async def _stream(
         self,
@@ -133,6 +141,7 @@ class OpenAIService:
         num_choices: int,
         prompt_tokens: int,
         include_usage: bool,
+        cached: CachedTokens,
     ) -> AsyncGenerator[dict[str, Any] | None, None]:
         """The job's chunks, after one None that `_run` takes to start the generator."""
         completion_tokens = 0
@@ -146,6 +155,7 @@ class OpenAIService:
                     if not isinstance(event, ChoiceDelta):
                         continue
                     _raise_if_failed(event)
+                    cached.add(event)
                     completion_tokens += len(event.token_ids)
                     unfinished -= event.finish_reason is not None
                     delta_chunk = fmt.chunk(event)
@@ -161,7 +171,7 @@ class OpenAIService:
                 yield internal_error().body()
                 return
         if include_usage:
-            yield fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens))
+            yield fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens, cached.total))
 
 
 def _raise_if_failed(delta: ChoiceDelta) -> None:

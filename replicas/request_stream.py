@@ -55,6 +55,8 @@ class RequestStream:
             chunk.finish_reason, chunk.error = "error", item
             self.finished = True
             return
+        if item.cached_tokens is not None:
+            chunk.cached_tokens = item.cached_tokens
         if item.token_id is not None:
             self.completion_tokens += 1
             chunk.token_ids.append(item.token_id)

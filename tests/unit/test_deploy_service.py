@@ -30,7 +30,8 @@ MODEL = "fake"
 
 
 class FakeReplica:
-    """Yields one token per chunk: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `."""
+    """Yields one token per chunk: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `; the first
+    chunk says half the prompt came from the prefix cache."""
 
     max_model_len = 64
 
@@ -76,6 +77,7 @@ class FakeReplica:
                     finish_reason="length" if last else None,
                     prompt_tokens=len(prompt_token_ids),
                     completion_tokens=step + 1,
+                    cached_tokens=len(prompt_token_ids) // 2 if step == 0 else None,
                 )
             finished = True
         finally:
@@ -121,11 +123,14 @@ def test_completion_usage_logprobs_and_n() -> None:
     body = CompletionRequest(prompt=["a b", "c"], max_tokens=3, n=2, logprobs=2, seed=1)
     out = run(service.completions(body))
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
-    prompt_tokens = sum(len(replica.tokenizer.encode(p)) for p in ["a b", "c"])
+    lengths = [len(replica.tokenizer.encode(p)) for p in ["a b", "c"]]
+    prompt_tokens = sum(lengths)
     assert out["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
+        # Once per prompt, as prompt_tokens counts it, not once per choice (n=2).
+        "prompt_tokens_details": {"cached_tokens": sum(n // 2 for n in lengths)},
     }
     first = out["choices"][0]
     assert first["finish_reason"] == "length" and first["text"].count("t") == 3
@@ -150,6 +155,8 @@ def test_chat_stream_chunks_and_usage() -> None:
     assert len(content) == 4  # one chunk per token: nothing is held back to batch
     assert all(len(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2 for c in content)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] // 2}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
