@@ -18,6 +18,12 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
+from tandem.deploy.prefix_routing import (
+    autoscaling_config,
+    prefix_routing_enabled,
+    request_router_config,
+    with_route_ingress,
+)
 from tandem.deploy.server import LLMServer
 
 REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
@@ -37,7 +43,7 @@ REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     device = resolve_device(app_args)
-    return (
+    app = (
         cast(Deployment, LLMServer)
         .options(**llm_server_options(app_args, device))
         .bind(
@@ -54,6 +60,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             drain_timeout_s=DRAIN_TIMEOUT_S,
         )
     )
+    return with_route_ingress(app, app_args)
 
 
 def resolve_device(args: AppArgs) -> str:
@@ -95,10 +102,13 @@ def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": 30.0,
     }
-    if args.autoscaling_config is not None:
-        options["autoscaling_config"] = args.autoscaling_config.to_serve_config()
+    scaling = autoscaling_config(args)
+    if scaling is not None:
+        options["autoscaling_config"] = scaling
     else:
         options["num_replicas"] = args.num_replicas or 1
+    if prefix_routing_enabled(args):
+        options["request_router_config"] = request_router_config(args)
     return options
 
 

@@ -121,8 +121,11 @@ class AutoscalingArgs(BaseModel):
     initial_replicas: int | None = Field(
         default=None, ge=0, description="Replicas at deploy time; unset starts at min_replicas."
     )
-    target_ongoing_requests: float = Field(
-        default=32.0, gt=0.0, description="Ongoing requests per replica the autoscaler aims for."
+    target_ongoing_requests: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Ongoing requests per replica the autoscaler aims for; unset: the replica's "
+        "max_ongoing_requests (its engine's capacity).",
     )
     upscale_delay_s: float | None = Field(
         default=None,
@@ -190,6 +193,11 @@ class AppArgs(BaseModel):
     )
     autoscaling_config: AutoscalingArgs | None = Field(
         default=None, description="Autoscale replicas between bounds; exclusive with num_replicas."
+    )
+    prefix_routing: bool | None = Field(
+        default=None,
+        description="Route requests that share a prompt prefix to the replica that cached it; unset: on "
+        "when num_replicas > 1 or autoscaling_config is set.",
     )
     max_ongoing_requests: int = Field(
         default=64,

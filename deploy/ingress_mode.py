@@ -20,6 +20,9 @@ from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 INGRESS_MODES = ("proxy", "haproxy")
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy hands the request body to the prefix router's `/internal/route` (deploy/route_ingress.py); it
+# only matters for an app with prefix routing on, whose requests it otherwise routes blind.
+ROUTER_BODY_ENV = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 
 
 def ray_environment(mode: str) -> dict[str, str]:
@@ -29,4 +32,5 @@ def ray_environment(mode: str) -> dict[str, str]:
     env = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}  # the proxy still serves in haproxy mode, as a fallback
     if mode == "haproxy":
         env[HAPROXY_ENV] = "1"
+        env[ROUTER_BODY_ENV] = "1"
     return env

@@ -30,6 +30,7 @@ from tandem.deploy.errors import OpenAIError, from_validation_errors
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
 from tandem.deploy.metrics import ServingMetrics
+from tandem.deploy.prefix_routing import ONGOING_STAT
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
 from tandem.deploy.service import OpenAIService, Response
@@ -84,7 +85,8 @@ class LLMServer:
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
         generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
-        backend = ReplicaBackend(generation, Admission(max_running, max_queued), _own_deployment_handle)
+        self._admission = Admission(max_running, max_queued)
+        backend = ReplicaBackend(generation, self._admission, _own_deployment_handle)
         self._service = OpenAIService(backend, served_model_name, model_root)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
@@ -112,6 +114,11 @@ class LLMServer:
 
     async def check_health(self) -> None:
         await self._replica.check_health()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands the request router each period: this replica's running and queued requests
+        (HAProxy's traffic never passes the router, so it has no count of its own there)."""
+        return {ONGOING_STAT: self._admission.running + self._admission.waiting}
 
     async def _call(
         self,
