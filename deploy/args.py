@@ -52,6 +52,12 @@ class EngineArgs(BaseModel):
     seed: int = Field(
         default=0, ge=0, description="Seed of the sampler's generator, identical on every TP rank."
     )
+    num_pages: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV-cache pages per replica; unset sizes the pool from mem_fraction (GPU) or to 32768 "
+        "tokens (CPU).",
+    )
     mem_fraction: float = Field(
         default=0.85,
         gt=0.0,

@@ -15,6 +15,7 @@ Ray's processes start (`deploy/ingress_mode.py`); without it every request falls
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -34,6 +35,18 @@ def routing_body(raw: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def build_route_app(pick: Callable[[dict[str, Any] | None], Awaitable[dict[str, Any]]]) -> FastAPI:
+    """The `/internal/route` app. A module function, not a closure in the deployment class: Serve ships
+    the class by value, and FastAPI would then miss the annotations' names (`Request`) in its globals."""
+    app = FastAPI()
+
+    @app.post("/internal/route")
+    async def route(request: Request) -> dict[str, Any]:
+        return await pick(routing_body(await request.body()))
+
+    return app
+
+
 @serve.deployment(
     # It sits beside HAProxy on every request: never the bottleneck, and schedulable on any node.
     max_ongoing_requests=1000,
@@ -45,14 +58,7 @@ class PrefixRouteIngress:
         self._server = server
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post("/internal/route")
-        async def route(request: Request) -> dict[str, Any]:
-            body = routing_body(await request.body())
-            return await self.pick(body)
-
-        return app
+        return build_route_app(self.pick)
 
     async def pick(self, body: dict[str, Any] | None) -> dict[str, Any]:
         """`{"host", "port", "replica_id"}` of the replica the LLMServer's router picks for `body`.
