@@ -94,6 +94,8 @@ class GenerationService:
             first_token_seen = False
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
+                    if delta.cached_tokens is not None and delta.index % job.n == 0:  # as usage counts it
+                        self._metrics.cached_tokens(delta.cached_tokens)
                     if delta.token_ids and not first_token_seen:
                         first_token_seen = True
                         self._metrics.first_token(time.time() - job.arrival_time)

@@ -33,6 +33,7 @@ from tandem.deploy.metrics import ServingMetrics
 from tandem.deploy.prefix_routing import ONGOING_STAT
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
+from tandem.deploy.replica_metrics import ReplicaMetrics
 from tandem.deploy.service import OpenAIService, Response
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class LLMServer:
         generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
         self._admission = Admission(max_running, max_queued)
         backend = ReplicaBackend(generation, self._admission, _own_deployment_handle)
-        self._service = OpenAIService(backend, served_model_name, model_root)
+        self._replica_metrics = ReplicaMetrics(served_model_name, serve.get_replica_context().replica_tag)
+        self._service = OpenAIService(backend, served_model_name, model_root, self._replica_metrics)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
@@ -131,6 +133,7 @@ class LLMServer:
             return await method(request_cls.model_validate(body))
         except ValidationError as exc:
             error = from_validation_errors(exc.errors())
+            self._service.record_outcome("4xx")
         except OpenAIError as exc:
             error = exc
         # Serve needs a generator for a stream=True call and a plain value otherwise.
@@ -141,7 +144,9 @@ class LLMServer:
         # costs the ranks nothing measurable.
         while True:
             try:
-                self._metrics.engine_stats(await self._replica.stats())
+                stats = await self._replica.stats()
+                self._metrics.engine_stats(stats)
+                self._replica_metrics.sample(self._admission.running, self._admission.waiting, stats)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a dead rank shows up in check_health; keep the poller alive

@@ -19,6 +19,7 @@ from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, m
 from tandem.deploy.job_builder import chat_job, completion_job
 from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobAccepted, JobEvent, JobRejected
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tandem.deploy.replica_metrics import NullOutcomes, OutcomeSink, outcome_of_exception, tracked_stream
 from tandem.deploy.responses import CachedTokens, ChatFormat, ChoiceResult, CompletionFormat, usage_dict
 from tandem.deploy.stats import aggregate_stats
 
@@ -44,23 +45,49 @@ class Backend(Protocol):
 
 
 class OpenAIService:
-    def __init__(self, backend: Backend, served_model_name: str, model_root: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        served_model_name: str,
+        model_root: str | None = None,
+        outcomes: OutcomeSink | None = None,
+    ) -> None:
         self._backend = backend
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
         self._created = int(time.time())
+        self._outcomes = outcomes or NullOutcomes()
 
     async def completions(self, request: CompletionRequest) -> Response:
-        self._check_model(request)
-        job = completion_job(request, f"cmpl-{uuid.uuid4().hex}", time.time())
-        fmt = CompletionFormat(job.request_id, self.served_model_name, int(time.time()))
-        return await self._run(request, job, fmt)
+        try:
+            self._check_model(request)
+            job = completion_job(request, f"cmpl-{uuid.uuid4().hex}", time.time())
+            fmt = CompletionFormat(job.request_id, self.served_model_name, int(time.time()))
+            return await self._tracked(await self._run(request, job, fmt))
+        except BaseException as exc:
+            self.record_outcome(outcome_of_exception(exc))
+            raise
 
     async def chat_completions(self, request: ChatCompletionRequest) -> Response:
-        self._check_model(request)
-        job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
-        fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()))
-        return await self._run(request, job, fmt)
+        try:
+            self._check_model(request)
+            job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
+            fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()))
+            return await self._tracked(await self._run(request, job, fmt))
+        except BaseException as exc:
+            self.record_outcome(outcome_of_exception(exc))
+            raise
+
+    def record_outcome(self, outcome: str) -> None:
+        """One generate request's outcome (deploy/replica_metrics.py); also for bodies refused before
+        they reach the service."""
+        self._outcomes.request_outcome(outcome)
+
+    async def _tracked(self, response: Response) -> Response:
+        if isinstance(response, dict):
+            self.record_outcome("ok")
+            return response
+        return await tracked_stream(response, self.record_outcome)
 
     def models(self) -> dict[str, Any]:
         card = {

@@ -371,3 +371,45 @@ def test_sse_cancelled_from_outside_stays_cancelled_and_aborts_the_request() -> 
     assert isinstance(raised, asyncio.CancelledError)  # only the response's own cancel is absorbed
     assert 1 <= len(parts) < 50
     assert replica.aborted and not replica.active
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def request_outcome(self, outcome: str) -> None:
+        self.seen.append(outcome)
+
+
+def test_each_generate_request_records_one_outcome() -> None:
+    outcomes = Outcomes()
+    service = OpenAIService(InProcessBackend(FakeReplica()), MODEL, outcomes=outcomes)
+    transport = httpx.ASGITransport(app=build_http_app(service))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})  # ok
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})  # ok
+            await client.post("/v1/completions", json={"prompt": "x", "top_p": 2})  # 4xx, by FastAPI
+            await client.post("/v1/completions", json={"prompt": "a " * 70, "max_tokens": 1})  # 4xx
+            await client.post("/v1/completions", json={"prompt": "x", "model": "other"})  # 4xx
+            await client.get("/v1/models")  # not a generate request
+
+    run(go())
+    assert outcomes.seen == ["ok", "ok", "4xx", "4xx", "4xx"]
+    busy = OpenAIService(
+        InProcessBackend(FakeReplica(), fail_with=overloaded("full")), MODEL, outcomes=outcomes
+    )
+    with pytest.raises(OpenAIError):
+        run(busy.completions(CompletionRequest(prompt="x")))
+    failing = OpenAIService(InProcessBackend(FakeReplica(failure="rank died")), MODEL, outcomes=outcomes)
+    run(collect(run_stream(failing.completions(CompletionRequest(prompt="x", max_tokens=4, stream=True)))))
+
+    async def client_leaves() -> None:
+        stream = await service.completions(CompletionRequest(prompt="x", max_tokens=50, stream=True))
+        await anext(stream)
+        await stream.aclose()
+
+    run(client_leaves())
+    # A dead rank mid-stream is the 503 its error chunk says, not an internal error.
+    assert outcomes.seen[5:] == ["503", "503", "aborted"]
