@@ -143,6 +143,16 @@ class AutoscalingArgs(BaseModel):
         ge=0.0,
         description="Seconds demand must stay low before removing replicas; unset: Serve's.",
     )
+    metrics_interval_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="How often each replica reports its ongoing requests to the autoscaler; unset: Serve's.",
+    )
+    look_back_period_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Window over which the autoscaler averages ongoing requests; unset: Serve's.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingArgs:
