@@ -157,3 +157,27 @@ def test_the_haproxy_peer_is_attached_only_under_haproxy(monkeypatch: pytest.Mon
     assert build_app(args)._ingress_request_router is not None
     assert build_app(AppArgs(num_replicas=2, prefix_routing=False))._ingress_request_router is None
     assert with_route_ingress(build_app(AppArgs()), AppArgs())._ingress_request_router is None
+
+
+def test_the_route_app_hands_the_parsed_body_to_the_pick() -> None:
+    from fastapi.testclient import TestClient
+
+    from tandem.deploy.ingress_mode import ROUTER_BODY_ENV, ray_environment
+    from tandem.deploy.route_ingress import build_route_app, routing_body
+
+    picked: list[Any] = []
+
+    async def pick(body: dict[str, Any] | None) -> dict[str, Any]:
+        picked.append(body)
+        return {"host": "10.0.0.2", "port": 30001, "replica_id": "LLMServer#abc"}
+
+    client = TestClient(build_route_app(pick))
+    answer = client.post("/internal/route", content=b'{"prompt": "shared head", "max_tokens": 4}')
+    assert answer.status_code == 200 and answer.json()["replica_id"] == "LLMServer#abc"
+    # HAProxy may forward only the head of a long body: not JSON, so routed by load alone.
+    client.post("/internal/route", content=b'{"prompt": "cut of', headers={"x-body-truncated": "11/900"})
+    assert picked == [{"prompt": "shared head", "max_tokens": 4}, None]
+    assert routing_body(b"") is None and routing_body(b"[1, 2]") is None
+    assert ray_environment("haproxy")[ROUTER_BODY_ENV] == "1" and ROUTER_BODY_ENV not in ray_environment(
+        "proxy"
+    )
