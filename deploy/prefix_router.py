@@ -5,11 +5,11 @@ an earlier one is cheapest on the replica that served that one. The router keeps
 approximate, character-level prefix tree (`PrefixTree`, the tree behind `PrefixCacheAffinityRouter`)
 of what it sent where, and picks:
 
-1. the replicas holding the longest match of the prompt's text, when the match covers at least
-   `match_rate_threshold` of it; otherwise the replicas whose trees are smallest (a new prefix goes
-   where the least is cached);
-2. among those, the least loaded;
-3. but the least loaded replica overall if the pick runs `imbalanced_threshold` requests more than it.
+1. for a prompt matching at least `match_rate_threshold` of its text, the least loaded of the replicas
+   holding the longest match;
+2. for a new prefix, the least loaded replica, counting what the router sent each since its last load
+   report (a burst of new prefixes spreads), then the one with the least cached;
+3. but the least loaded replica if the pick runs `imbalanced_threshold` requests more than it.
 
 Unlike `PrefixCacheAffinityRouter`, the tree lives in the router's own process, not in a detached actor
 behind three blocking `ray.get` calls per request: routing adds no RPC. Each process that routes (the
@@ -113,6 +113,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._eviction_target = eviction_target_chars
         self._tree = PrefixTree()
         self._inserts = itertools.count(1)
+        self._sent: dict[str, tuple[dict[str, Any] | None, int]] = {}  # per replica: (its report, count)
 
     # ---- replica set -------------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -122,7 +123,10 @@ class PrefixAffinityRouter(RequestRouter):
         if new - old:
             self._tree.add_tenants([r.to_full_id_str() for r in new - old], time.time())
         if old - new:
-            self._tree.remove_tenants([r.to_full_id_str() for r in old - new])
+            gone = [r.to_full_id_str() for r in old - new]
+            self._tree.remove_tenants(gone)
+            for tenant in gone:
+                self._sent.pop(tenant, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -152,25 +156,40 @@ class PrefixAffinityRouter(RequestRouter):
 
     def pick(self, text: str, candidates: list[RunningReplica]) -> RunningReplica:
         by_id = {r.replica_id.to_full_id_str(): r for r in candidates}
+        loads = {t: self.load(r) for t, r in by_id.items()}
+        sizes = self._tree.tenant_to_char_count
         matched, tenants = self._tree.prefix_match(text, list(by_id))
-        if tenants and len(matched) >= self._match_rate_threshold * len(text) and matched:
-            pool = [by_id[t] for t in tenants if t in by_id]
+        if tenants and matched and len(matched) >= self._match_rate_threshold * len(text):
+            pool = [t for t in tenants if t in by_id] or list(by_id)
+            chosen = min(pool, key=lambda t: (loads[t], sizes.get(t, 0)))
         else:
-            sizes = {t: self._tree.tenant_to_char_count.get(t, 0) for t in by_id}
-            smallest = min(sizes.values())
-            pool = [by_id[t] for t, size in sizes.items() if size == smallest]
-        chosen = min(pool or candidates, key=self.load)
-        least = min(candidates, key=self.load)
-        if self.load(chosen) - self.load(least) > self._imbalanced_threshold:
-            return least
-        return chosen
+            # A new prefix goes to the least loaded replica, counting what this router sent each since
+            # its last report, then to the one with the least cached. (By cached size alone, as Ray's
+            # router places it, a replica that served much unrelated traffic would leave every new
+            # prefix to the other, however busy.)
+            chosen = min(by_id, key=lambda t: (loads[t] + self._sent_since_report(by_id[t]), sizes.get(t, 0)))
+        least = min(by_id, key=lambda t: (loads[t], sizes.get(t, 0)))
+        if loads[chosen] - loads[least] > self._imbalanced_threshold:
+            chosen = least
+        self._count_sent(by_id[chosen])
+        return by_id[chosen]
 
     def load(self, replica: RunningReplica) -> float:
+        """Ongoing requests: a fresh probe if Serve has one, else the replica's last report."""
         probed = self._replica_queue_len_cache.get(replica.replica_id)
         if probed is not None:
             return float(probed)
         reported = replica.routing_stats.get(ONGOING_STAT)
         return float(reported) if isinstance(reported, (int, float)) else 0.0
+
+    def _sent_since_report(self, replica: RunningReplica) -> int:
+        # Serve replaces a replica's stats dict on each report: a new dict restarts the count.
+        report, sent = self._sent.get(replica.replica_id.to_full_id_str(), (None, 0))
+        return sent if report is replica.routing_stats else 0
+
+    def _count_sent(self, replica: RunningReplica) -> None:
+        tenant = replica.replica_id.to_full_id_str()
+        self._sent[tenant] = (replica.routing_stats, self._sent_since_report(replica) + 1)
 
     def _record(self, text: str, replica_id: ReplicaID) -> None:
         tenant = replica_id.to_full_id_str()

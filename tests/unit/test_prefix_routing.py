@@ -41,7 +41,8 @@ class FakeReplica:
         self.max_ongoing_requests = 1000
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
-        raise TimeoutError  # no probe answers: the router reads `routing_stats`, as on HAProxy's path
+        await asyncio.sleep(3600)  # no probe answers: the router reads `routing_stats`, as on HAProxy's path
+        return 0
 
 
 def _request(body: Any) -> PendingRequest:
@@ -109,6 +110,22 @@ def test_an_overloaded_affine_replica_is_passed_over() -> None:
 
     first, held, moved = asyncio.run(run())
     assert held == first and moved != first
+
+
+def test_new_prefixes_spread_by_load_whatever_was_cached_before() -> None:
+    async def run() -> list[str]:
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        router = await _router(replicas)
+        for i in range(20):  # unrelated traffic, all on one replica (its prompts match each other)
+            await _route(router, replicas, {"prompt": f"health probe {i:02d} of the service"})
+        for replica in replicas:  # both report (a new stats dict each): idle
+            replica.routing_stats = {"ongoing": 0}
+        # A burst of new prefixes before the next reports: the router counts what it sent since.
+        bodies = [{"prompt": f"tenant {p}: " + "policy " * 30} for p in range(8)]
+        return [await _route(router, replicas, body) for body in bodies]
+
+    picks = asyncio.run(run())
+    assert sorted(picks) == ["a"] * 4 + ["b"] * 4, picks
 
 
 def test_requests_without_a_prompt_get_two_choices_least_loaded_first() -> None:
