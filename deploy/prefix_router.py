@@ -7,8 +7,8 @@ of what it sent where, and picks:
 
 1. for a prompt matching at least `match_rate_threshold` of its text, the least loaded of the replicas
    holding the longest match;
-2. for a new prefix, the least loaded replica, counting what the router sent each since its last load
-   report (a burst of new prefixes spreads), then the one with the least cached;
+2. for a new prefix, the least loaded replica, then the one given the fewest new prefixes so far (so a
+   burst of new prefixes spreads before any load report shows it);
 3. but the least loaded replica if the pick runs `imbalanced_threshold` requests more than it.
 
 Unlike `PrefixCacheAffinityRouter`, the tree lives in the router's own process, not in a detached actor
@@ -113,7 +113,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._eviction_target = eviction_target_chars
         self._tree = PrefixTree()
         self._inserts = itertools.count(1)
-        self._sent: dict[str, tuple[dict[str, Any] | None, int]] = {}  # per replica: (its report, count)
+        self._placed: dict[str, int] = {}  # new prefixes given to each replica
 
     # ---- replica set -------------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -126,7 +126,7 @@ class PrefixAffinityRouter(RequestRouter):
             gone = [r.to_full_id_str() for r in old - new]
             self._tree.remove_tenants(gone)
             for tenant in gone:
-                self._sent.pop(tenant, None)
+                self._placed.pop(tenant, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -163,15 +163,14 @@ class PrefixAffinityRouter(RequestRouter):
             pool = [t for t in tenants if t in by_id] or list(by_id)
             chosen = min(pool, key=lambda t: (loads[t], sizes.get(t, 0)))
         else:
-            # A new prefix goes to the least loaded replica, counting what this router sent each since
-            # its last report, then to the one with the least cached. (By cached size alone, as Ray's
-            # router places it, a replica that served much unrelated traffic would leave every new
-            # prefix to the other, however busy.)
-            chosen = min(by_id, key=lambda t: (loads[t] + self._sent_since_report(by_id[t]), sizes.get(t, 0)))
+            # A new prefix: the least loaded replica, then the one given the fewest new prefixes. (By
+            # cached size, Ray's rule, a replica that had served much unrelated traffic left every new
+            # prefix to the other; load reports lag, so they cannot spread a burst of new prefixes.)
+            chosen = min(by_id, key=lambda t: (loads[t], self._placed.get(t, 0), sizes.get(t, 0)))
+            self._placed[chosen] = self._placed.get(chosen, 0) + 1
         least = min(by_id, key=lambda t: (loads[t], sizes.get(t, 0)))
         if loads[chosen] - loads[least] > self._imbalanced_threshold:
             chosen = least
-        self._count_sent(by_id[chosen])
         return by_id[chosen]
 
     def load(self, replica: RunningReplica) -> float:
@@ -181,15 +180,6 @@ class PrefixAffinityRouter(RequestRouter):
             return float(probed)
         reported = replica.routing_stats.get(ONGOING_STAT)
         return float(reported) if isinstance(reported, (int, float)) else 0.0
-
-    def _sent_since_report(self, replica: RunningReplica) -> int:
-        # Serve replaces a replica's stats dict on each report: a new dict restarts the count.
-        report, sent = self._sent.get(replica.replica_id.to_full_id_str(), (None, 0))
-        return sent if report is replica.routing_stats else 0
-
-    def _count_sent(self, replica: RunningReplica) -> None:
-        tenant = replica.replica_id.to_full_id_str()
-        self._sent[tenant] = (replica.routing_stats, self._sent_since_report(replica) + 1)
 
     def _record(self, text: str, replica_id: ReplicaID) -> None:
         tenant = replica_id.to_full_id_str()
