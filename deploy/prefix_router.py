@@ -131,6 +131,7 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._tree.remove_tenants([replica_id.to_full_id_str()])
+        self._placed.pop(replica_id.to_full_id_str(), None)
 
     # ---- routing -----------------------------------------------------------------------------
     async def choose_replicas(
