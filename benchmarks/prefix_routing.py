@@ -42,7 +42,7 @@ PHASES = ("single", "routed", "default")
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "prefixes": 8, "prefix_tokens": 200, "requests": 192, "concurrency": 8, "max_tokens": 2,
-        "replicas": 2, "phases": "single,routed,default", "probe_requests": 20, "kv_tokens": 1400,
+        "replicas": 2, "phases": "single,routed,default", "probe_requests": 20, "kv_tokens": 1200,
         "drain_s": 3.0,
     },
     "h200": {

@@ -3,8 +3,8 @@ router and against one replica serving everything, in one run.
 
 The run is `benchmarks/prefix_routing.py --preset cpu` as a subprocess: the ingress mode is a setting of
 Ray's processes, read when they start, so the run needs a Ray of its own. Two replicas of the tiny model,
-each with KV for about six of the eight ~200-token prefixes (the single replica has both replicas' KV),
-192 requests interleaved over the prefixes, 8 at a time.
+each with 1 200 tokens of KV (about six of the eight ~200-token prefixes; the single replica has both
+replicas' KV), 192 requests interleaved over the prefixes, 8 at a time.
 """
 
 from __future__ import annotations
