@@ -27,6 +27,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (whole pages)
 
 
 class LLM:
@@ -144,6 +145,8 @@ class LLM:
                 res = results.get(out.rid)
                 if res is None or res.finish_reason is not None:
                     continue
+                if out.cached_tokens is not None:
+                    res.num_cached_tokens = out.cached_tokens
                 if out.token_id is not None:
                     res.token_ids.append(out.token_id)
                     if out.logprob is not None:

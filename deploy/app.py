@@ -18,8 +18,14 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
+from tandem.deploy.capacity import replica_capacity
+from tandem.deploy.prefix_routing import (
+    autoscaling_config,
+    prefix_routing_enabled,
+    request_router_config,
+    with_route_ingress,
+)
 from tandem.deploy.server import QUEUED_PER_RUNNING, LLMServer
-from tandem.scheduler.runtime import MAX_RUNNING_CPU, MAX_RUNNING_GPU, RuntimeOptions
 
 REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
 ADMISSION_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
@@ -38,7 +44,7 @@ REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     device = resolve_device(app_args)
-    return (
+    app = (
         cast(Deployment, LLMServer)
         .options(**llm_server_options(app_args, device))
         .bind(
@@ -55,6 +61,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             drain_timeout_s=DRAIN_TIMEOUT_S,
         )
     )
+    return with_route_ingress(app, app_args)
 
 
 def resolve_device(args: AppArgs) -> str:
@@ -96,33 +103,21 @@ def llm_server_options(args: AppArgs, device: str) -> dict[str, Any]:
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": 30.0,
     }
-    if args.autoscaling_config is not None:
-        options["autoscaling_config"] = args.autoscaling_config.to_serve_config()
+    scaling = autoscaling_config(args, device)
+    if scaling is not None:
+        options["autoscaling_config"] = scaling
     else:
         options["num_replicas"] = args.num_replicas or 1
+    if prefix_routing_enabled(args):
+        options["request_router_config"] = request_router_config(args, device)
     return options
-
-
-def engine_capacity_bound(args: AppArgs, device: str) -> int:
-    """The most requests a replica's engine can run at once, known before it starts: its max_running
-    setting, else the largest decode graph on GPU. A small KV pool may lower it once the engine is up
-    (the replica then admits what the engine reports)."""
-    engine = args.engine
-    if engine.max_running is not None:
-        return engine.max_running
-    if device != "cuda":
-        return MAX_RUNNING_CPU
-    if engine.cuda_graph is False:
-        return MAX_RUNNING_GPU
-    graph_max = engine.cuda_graph_max_bs or RuntimeOptions().cuda_graph_max_bs
-    return min(MAX_RUNNING_GPU, graph_max)
 
 
 def serve_max_ongoing_requests(args: AppArgs, device: str) -> int:
     """What Serve lets into one replica: everything `Admission` may run or queue there, plus slack for
     the requests it turns away and for /health and /v1/models. With an unbounded queue
     (`max_queued_requests: -1`), the queue term is the running bound again."""
-    running = args.max_ongoing_requests or engine_capacity_bound(args, device)
+    running = replica_capacity(args, device)
     queued = args.max_queued_requests
     if queued is None:
         queued = QUEUED_PER_RUNNING * running

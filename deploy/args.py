@@ -52,6 +52,12 @@ class EngineArgs(BaseModel):
     seed: int = Field(
         default=0, ge=0, description="Seed of the sampler's generator, identical on every TP rank."
     )
+    num_pages: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV-cache pages per replica; unset sizes the pool from mem_fraction (GPU) or to 32768 "
+        "tokens (CPU).",
+    )
     mem_fraction: float = Field(
         default=0.85,
         gt=0.0,
@@ -121,8 +127,11 @@ class AutoscalingArgs(BaseModel):
     initial_replicas: int | None = Field(
         default=None, ge=0, description="Replicas at deploy time; unset starts at min_replicas."
     )
-    target_ongoing_requests: float = Field(
-        default=32.0, gt=0.0, description="Ongoing requests per replica the autoscaler aims for."
+    target_ongoing_requests: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Ongoing requests per replica the autoscaler aims for; unset: the replica's "
+        "max_ongoing_requests (its engine's capacity).",
     )
     upscale_delay_s: float | None = Field(
         default=None,
@@ -133,6 +142,16 @@ class AutoscalingArgs(BaseModel):
         default=None,
         ge=0.0,
         description="Seconds demand must stay low before removing replicas; unset: Serve's.",
+    )
+    metrics_interval_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="How often each replica reports its ongoing requests to the autoscaler; unset: Serve's.",
+    )
+    look_back_period_s: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Window over which the autoscaler averages ongoing requests; unset: Serve's.",
     )
 
     @model_validator(mode="after")
@@ -190,6 +209,11 @@ class AppArgs(BaseModel):
     )
     autoscaling_config: AutoscalingArgs | None = Field(
         default=None, description="Autoscale replicas between bounds; exclusive with num_replicas."
+    )
+    prefix_routing: bool | None = Field(
+        default=None,
+        description="Route requests that share a prompt prefix to the replica that cached it; unset: on "
+        "when num_replicas > 1 or autoscaling_config is set.",
     )
     max_ongoing_requests: int | None = Field(
         default=None,

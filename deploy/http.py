@@ -91,6 +91,7 @@ def build_http_app(service: OpenAIService) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        service.record_outcome("4xx")  # refused before the service saw it
         return error_response(from_validation_errors(exc.errors()))
 
     @app.exception_handler(OpenAIError)

@@ -33,6 +33,9 @@ _HAPROXY_PATH_ENV = {
     "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
     "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
 }
+# HAProxy hands the request body to the prefix router's `/internal/route` (deploy/route_ingress.py); it
+# only matters for an app with prefix routing on, whose requests it otherwise routes blind.
+ROUTER_BODY_ENV = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 
 
 def haproxy_binary() -> str | None:
@@ -66,6 +69,7 @@ def ray_environment(mode: str, state_dir: str | None = None) -> dict[str, str]:
     env = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}  # the proxy still serves in haproxy mode, as a fallback
     if mode == "haproxy":
         env[HAPROXY_ENV] = "1"
+        env[ROUTER_BODY_ENV] = "1"
         if state_dir is not None:
             for key, name in _HAPROXY_PATH_ENV.items():
                 env[key] = f"{state_dir}/{name}" if name else state_dir

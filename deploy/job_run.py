@@ -113,6 +113,8 @@ class JobRun:
                 return deltas
 
     def _delta(self, index: int, chunk: GenerationChunk, now: float) -> ChoiceDelta:
+        if chunk.cached_tokens is not None and index % self.job.n == 0:  # per prompt, as usage counts
+            self._metrics.cached_tokens(chunk.cached_tokens)
         count = len(chunk.token_ids)
         if count:
             self._tokens += count
@@ -133,6 +135,7 @@ class JobRun:
             logprobs=logprobs,
             finish_reason=chunk.finish_reason,
             error=chunk.error,
+            cached_tokens=chunk.cached_tokens,
         )
 
     async def close(self) -> None:

@@ -69,6 +69,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    cached_tokens: int | None = None  # on a choice's first delta: prompt tokens from the prefix cache
 
 
 JobEvent = JobAccepted | JobRejected | ChoiceDelta

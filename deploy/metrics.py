@@ -23,6 +23,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tandem_prefix_cache_hit_tokens_total",
     "tandem_prompt_tokens_total",
     "tandem_generation_tokens_total",
+    "tandem_cached_prompt_tokens_total",
 )
 EXPORTED_PREFIX = "ray_"  # what Ray's Prometheus exporter puts in front of each name
 
@@ -40,6 +41,7 @@ class MetricsSink(Protocol):
     def request_done(self, seconds: float) -> None: ...
     def prompt_tokens(self, count: int) -> None: ...
     def generation_tokens(self, count: int) -> None: ...
+    def cached_tokens(self, count: int) -> None: ...
     def engine_stats(self, stats: dict[str, Any]) -> None: ...
 
 
@@ -62,12 +64,15 @@ class NullMetrics:
     def generation_tokens(self, count: int) -> None:
         pass
 
+    def cached_tokens(self, count: int) -> None:
+        pass
+
     def engine_stats(self, stats: dict[str, Any]) -> None:
         pass
 
 
 class ServingMetrics:
-    """The ten tandem metrics of one replica, tagged with the served model name."""
+    """The tandem serving metrics of one replica, tagged with the served model name."""
 
     def __init__(self, model_name: str) -> None:
         from ray.util import metrics
@@ -94,6 +99,7 @@ class ServingMetrics:
         self._prefix_hits = counter(METRIC_NAMES[7], "Prompt tokens served from the prefix cache.")
         self._prompt = counter(METRIC_NAMES[8], "Prompt tokens admitted.")
         self._generation = counter(METRIC_NAMES[9], "Tokens generated.")
+        self._cached = counter(METRIC_NAMES[10], "Prompt tokens the prefix cache supplied.")
         self._last_prefix_hits: int | None = None
 
     def queue_time(self, seconds: float) -> None:
@@ -118,6 +124,11 @@ class ServingMetrics:
     def generation_tokens(self, count: int) -> None:
         if count > 0:
             self._generation.inc(count, tags=self._tags)
+
+    def cached_tokens(self, count: int) -> None:
+        """Per request, as `usage.prompt_tokens_details.cached_tokens` counts it."""
+        if count > 0:
+            self._cached.inc(count, tags=self._tags)
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
         """Gauges and the prefix-hit counter from one `LLMReplica.stats()` snapshot."""

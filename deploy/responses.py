@@ -13,12 +13,27 @@ from tandem.deploy.jobs import ChoiceDelta, TokenLogprob
 from tandem.deploy.tool_calls import ToolCallStream, ToolMode, call_dicts, new_call_id
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` counts prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+class CachedTokens:
+    """Sums `cached_tokens` over a job's prompts. `prompt_tokens` counts each prompt once, not once per
+    choice, so each prompt's cached count is its first choice's (index % n == 0)."""
+
+    def __init__(self, n: int) -> None:
+        self._n = max(n, 1)
+        self.total = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        if delta.cached_tokens is not None and delta.index % self._n == 0:
+            self.total += delta.cached_tokens
 
 
 @dataclass
@@ -73,7 +88,7 @@ class _Format:
             "choices": choices,
         }
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         chunk = self._envelope(self.chunk_object_name, [])
         chunk["usage"] = usage
         return chunk
@@ -104,7 +119,7 @@ class CompletionFormat(_Format):
         }
         return self._envelope(self.chunk_object_name, [choice])
 
-    def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
         out = [
             {
                 "index": c.index,
@@ -182,7 +197,7 @@ class ChatFormat(_Format):
         message["tool_calls"] = call_dicts(calls, [new_call_id() for _ in calls])
         return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
-    def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
             message, finish_reason = self._message(c)

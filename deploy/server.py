@@ -30,8 +30,10 @@ from tandem.deploy.errors import OpenAIError, from_validation_errors
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
 from tandem.deploy.metrics import ServingMetrics
+from tandem.deploy.prefix_routing import ONGOING_STAT
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
+from tandem.deploy.replica_metrics import ReplicaMetrics
 from tandem.deploy.service import OpenAIService, Response
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,8 @@ class LLMServer:
         queued = max_queued if max_queued is not None else QUEUED_PER_RUNNING * running
         self._admission = Admission(running, queued)
         backend = ReplicaBackend(generation, self._admission, _own_deployment_handle)
-        self._service = OpenAIService(backend, served_model_name, model_root)
+        self._replica_metrics = ReplicaMetrics(served_model_name, serve.get_replica_context().replica_tag)
+        self._service = OpenAIService(backend, served_model_name, model_root, self._replica_metrics)
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
@@ -125,6 +128,11 @@ class LLMServer:
     async def check_health(self) -> None:
         await self._replica.check_health()
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands the request router each period: this replica's running and queued requests
+        (HAProxy's traffic never passes the router, so it has no count of its own there)."""
+        return {ONGOING_STAT: self._admission.running + self._admission.waiting}
+
     async def _call(
         self,
         body: dict[str, Any],
@@ -136,6 +144,7 @@ class LLMServer:
             return await method(request_cls.model_validate(body))
         except ValidationError as exc:
             error = from_validation_errors(exc.errors())
+            self._service.record_outcome("4xx")
         except OpenAIError as exc:
             error = exc
         # Serve needs a generator for a stream=True call and a plain value otherwise.
@@ -155,7 +164,9 @@ class LLMServer:
         # costs the ranks nothing measurable.
         while True:
             try:
-                self._metrics.engine_stats(await self._replica.stats())
+                stats = await self._replica.stats()
+                self._metrics.engine_stats(stats)
+                self._replica_metrics.sample(self._admission.running, self._admission.waiting, stats)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a dead rank shows up in check_health; keep the poller alive

@@ -20,7 +20,8 @@ from tandem.deploy.job_builder import chat_job, completion_job
 from tandem.deploy.job_run import JobRun
 from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobRejected
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from tandem.deploy.responses import ChatFormat, ChoiceResult, CompletionFormat, usage_dict
+from tandem.deploy.replica_metrics import NullOutcomes, OutcomeSink, outcome_of_exception, tracked_stream
+from tandem.deploy.responses import CachedTokens, ChatFormat, ChoiceResult, CompletionFormat, usage_dict
 from tandem.deploy.stats import aggregate_stats
 
 logger = logging.getLogger(__name__)
@@ -48,23 +49,49 @@ class Backend(Protocol):
 
 
 class OpenAIService:
-    def __init__(self, backend: Backend, served_model_name: str, model_root: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        served_model_name: str,
+        model_root: str | None = None,
+        outcomes: OutcomeSink | None = None,
+    ) -> None:
         self._backend = backend
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
         self._created = int(time.time())
+        self._outcomes = outcomes or NullOutcomes()
 
     async def completions(self, request: CompletionRequest) -> Response:
-        self._check_model(request)
-        job = completion_job(request, f"cmpl-{uuid.uuid4().hex}", time.time())
-        fmt = CompletionFormat(job.request_id, self.served_model_name, int(time.time()))
-        return await self._run(request, job, fmt)
+        try:
+            self._check_model(request)
+            job = completion_job(request, f"cmpl-{uuid.uuid4().hex}", time.time())
+            fmt = CompletionFormat(job.request_id, self.served_model_name, int(time.time()))
+            return await self._tracked(await self._run(request, job, fmt))
+        except BaseException as exc:
+            self.record_outcome(outcome_of_exception(exc))
+            raise
 
     async def chat_completions(self, request: ChatCompletionRequest) -> Response:
-        self._check_model(request)
-        job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
-        fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()), tools=job.tool_mode)
-        return await self._run(request, job, fmt)
+        try:
+            self._check_model(request)
+            job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
+            fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()), tools=job.tool_mode)
+            return await self._tracked(await self._run(request, job, fmt))
+        except BaseException as exc:
+            self.record_outcome(outcome_of_exception(exc))
+            raise
+
+    def record_outcome(self, outcome: str) -> None:
+        """One generate request's outcome (deploy/replica_metrics.py); also for bodies refused before
+        they reach the service."""
+        self._outcomes.request_outcome(outcome)
+
+    async def _tracked(self, response: Response) -> Response:
+        if isinstance(response, dict):
+            self.record_outcome("ok")
+            return response
+        return await tracked_stream(response, self.record_outcome)
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -98,29 +125,38 @@ class OpenAIService:
             raise invalid_request(run.message, param=run.param, code=run.code)
         prompt_tokens = sum(run.accepted.prompt_tokens)
         if request.stream:
-            stream = self._stream(run, fmt, job.num_choices, prompt_tokens, request.include_usage)
+            stream = self._stream(
+                run, fmt, job.num_choices, prompt_tokens, request.include_usage, CachedTokens(job.n)
+            )
             # Started, the generator owns the run: closing it releases the choices even if nothing was
             # read (a client gone before the headers). An unstarted generator would skip its cleanup.
             await anext(stream)
             return stream
         try:
-            return await self._collect(run, fmt, job.num_choices, prompt_tokens)
+            return await self._collect(run, fmt, job.num_choices, prompt_tokens, CachedTokens(job.n))
         finally:
             await run.close()
 
     async def _collect(
-        self, run: JobRun, fmt: _Format, num_choices: int, prompt_tokens: int
+        self, run: JobRun, fmt: _Format, num_choices: int, prompt_tokens: int, cached: CachedTokens
     ) -> dict[str, Any]:
         choices = [ChoiceResult(index=i) for i in range(num_choices)]
         while not run.done:
             for delta in await run.next():
                 _raise_if_failed(delta)
                 choices[delta.index].add(delta)
+                cached.add(delta)
         completion_tokens = sum(c.num_tokens for c in choices)
-        return fmt.response(choices, usage_dict(prompt_tokens, completion_tokens))
+        return fmt.response(choices, usage_dict(prompt_tokens, completion_tokens, cached.total))
 
     async def _stream(
-        self, run: JobRun, fmt: _Format, num_choices: int, prompt_tokens: int, include_usage: bool
+        self,
+        run: JobRun,
+        fmt: _Format,
+        num_choices: int,
+        prompt_tokens: int,
+        include_usage: bool,
+        cached: CachedTokens,
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The job's chunks, a list per wake-up, after one empty list that `_run` takes to start it."""
         completion_tokens = 0
@@ -134,6 +170,7 @@ class OpenAIService:
                 while not run.done:
                     for delta in await run.next():
                         _raise_if_failed(delta)
+                        cached.add(delta)
                         completion_tokens += len(delta.token_ids)
                         chunk = fmt.chunk(delta)
                         if chunk is not None:
@@ -149,7 +186,7 @@ class OpenAIService:
                 yield [internal_error().body()]
                 return
             if include_usage:
-                yield [fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens))]
+                yield [fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens, cached.total))]
         finally:
             await run.close()
 

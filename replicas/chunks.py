@@ -23,3 +23,4 @@ class GenerationChunk:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative, including this chunk
+    cached_tokens: int | None = None  # on the first chunk: prompt tokens the prefix cache supplied

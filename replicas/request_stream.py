@@ -55,6 +55,8 @@ class RequestStream:
         if self.finished:
             return
         slot = self._slot
+        if out.cached_tokens is not None:
+            slot.cached_tokens = out.cached_tokens
         if out.token_id is not None:
             self.completion_tokens += 1
             slot.token_ids.append(out.token_id)

@@ -51,10 +51,15 @@ SchedulerMsg = AddRequest | AbortRequest
 
 
 class TokenOutput(msgspec.Struct, frozen=True):
-    """One new token of one request; `finish_reason` is set on its last output."""
+    """One new token of one request; `finish_reason` is set on its last output.
+
+    `cached_tokens` is set on a request's first token only: how many prompt tokens the radix cache
+    supplied at admission (whole pages; `usage.prompt_tokens_details.cached_tokens` downstream).
+    """
 
     rid: int
     token_id: int | None  # None for an output that only carries a finish (abort)
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    cached_tokens: int | None = None

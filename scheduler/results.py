@@ -54,6 +54,7 @@ class ResultProcessor:
                 logprob = float(logprobs[i])
                 if spec.logprobs > 0 and top_ids is not None and top_vals is not None:
                     top = list(zip(top_ids[i][: spec.logprobs], top_vals[i][: spec.logprobs]))
-            outs.append(TokenOutput(req.rid, token, req.finish_reason, logprob, top))
+            cached = req.cached_prefix if len(req.output_ids) == 1 else None  # the first token carries it
+            outs.append(TokenOutput(req.rid, token, req.finish_reason, logprob, top, cached))
         if outs:
             self.emit(outs)

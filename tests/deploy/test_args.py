@@ -137,8 +137,7 @@ def test_autoscaling_initial_replicas_within_bounds() -> None:
         "min_replicas": 1,
         "max_replicas": 3,
         "initial_replicas": 2,
-        "target_ongoing_requests": 32.0,
-    }
+    }  # an unset target is derived by the app builder (test_prefix_routing.py)
 
 
 def test_to_llm_kwargs_drops_unset_options() -> None:

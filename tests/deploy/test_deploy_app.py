@@ -15,12 +15,12 @@ from tandem.deploy.app import (
     ADMISSION_SLACK,
     REPLICA_CPUS,
     build_app,
-    engine_capacity_bound,
     llm_server_options,
     placement_bundles,
     resolve_device,
 )
 from tandem.deploy.args import AppArgs, AutoscalingArgs, EngineArgs
+from tandem.deploy.capacity import engine_capacity_bound
 from tandem.deploy.metrics import METRIC_NAMES, ServingMetrics
 from tandem.deploy.server import QUEUED_PER_RUNNING
 from tandem.deploy.stats import aggregate_stats

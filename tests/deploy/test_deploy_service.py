@@ -45,7 +45,8 @@ class FakeText:
 
 
 class FakeReplica:
-    """Emits one token per step: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `.
+    """Emits one token per step: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `; the first
+    output says half the prompt came from the prefix cache.
 
     A step is a short sleep, as an engine step is: a producer that set the job's event on every loop
     turn would keep anyio's cancellation of a disconnected response from ever finding it waiting."""
@@ -104,6 +105,7 @@ class FakeReplica:
                     "length" if last else None,
                     -0.5 if sampling.logprobs is not None else None,
                     top if sampling.logprobs is not None else None,
+                    cached_tokens=len(prompt) // 2 if step == 0 else None,
                 )
             )
 
@@ -153,11 +155,14 @@ def test_completion_usage_logprobs_and_n() -> None:
     body = CompletionRequest(prompt=["a b", "c"], max_tokens=3, n=2, logprobs=2, seed=1)
     out = run(service.completions(body))
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
-    prompt_tokens = sum(len(replica.tokenizer.encode(p)) for p in ["a b", "c"])
+    lengths = [len(replica.tokenizer.encode(p)) for p in ["a b", "c"]]
+    prompt_tokens = sum(lengths)
     assert out["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 12,
         "total_tokens": prompt_tokens + 12,
+        # Once per prompt, as prompt_tokens counts it, not once per choice (n=2).
+        "prompt_tokens_details": {"cached_tokens": sum(n // 2 for n in lengths)},
     }
     first = out["choices"][0]
     assert first["finish_reason"] == "length" and first["text"].count("t") == 3
@@ -182,6 +187,8 @@ def test_chat_stream_chunks_and_usage() -> None:
     assert len(content) == 4  # one chunk per token: nothing is held back to batch
     assert all(len(c["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2 for c in content)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] // 2}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
@@ -421,3 +428,45 @@ def test_the_admission_slot_is_freed_when_the_last_token_arrives_not_when_it_is_
     chunks = run(go())
     assert "".join(c["choices"][0]["text"] for c in chunks).count("t") == 5
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def request_outcome(self, outcome: str) -> None:
+        self.seen.append(outcome)
+
+
+def test_each_generate_request_records_one_outcome() -> None:
+    outcomes = Outcomes()
+    service = OpenAIService(InProcessBackend(FakeReplica()), MODEL, outcomes=outcomes)
+    transport = httpx.ASGITransport(app=build_http_app(service))
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})  # ok
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})  # ok
+            await client.post("/v1/completions", json={"prompt": "x", "top_p": 2})  # 4xx, by FastAPI
+            await client.post("/v1/completions", json={"prompt": "a " * 70, "max_tokens": 1})  # 4xx
+            await client.post("/v1/completions", json={"prompt": "x", "model": "other"})  # 4xx
+            await client.get("/v1/models")  # not a generate request
+
+    run(go())
+    assert outcomes.seen == ["ok", "ok", "4xx", "4xx", "4xx"]
+    busy = OpenAIService(
+        InProcessBackend(FakeReplica(), fail_with=overloaded("full")), MODEL, outcomes=outcomes
+    )
+    with pytest.raises(OpenAIError):
+        run(busy.completions(CompletionRequest(prompt="x")))
+    failing = OpenAIService(InProcessBackend(FakeReplica(failure="rank died")), MODEL, outcomes=outcomes)
+    run(collect(run_stream(failing.completions(CompletionRequest(prompt="x", max_tokens=4, stream=True)))))
+
+    async def client_leaves() -> None:
+        stream = await service.completions(CompletionRequest(prompt="x", max_tokens=50, stream=True))
+        await anext(stream)
+        await stream.aclose()
+
+    run(client_leaves())
+    # A dead rank mid-stream is the 503 its error chunk says, not an internal error.
+    assert outcomes.seen[5:] == ["503", "503", "aborted"]

@@ -4,9 +4,12 @@ metrics. One app for the whole module."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.deploy.metrics import EXPORTED_PREFIX, METRIC_NAMES
+from tandem.deploy.replica_metrics import REPLICA_METRIC_NAMES
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "user", "content": "Tell me about foxes."}]
@@ -226,7 +230,9 @@ def test_metrics_are_exported(client: openai.OpenAI, app: Any) -> None:
     long_prompt = PROMPT * 6  # sent twice, so the radix cache reports prefix hits
     for _ in range(2):
         client.completions.create(model=app.served_model_name, prompt=long_prompt, max_tokens=4)
-    wanted = {EXPORTED_PREFIX + name for name in METRIC_NAMES}
+    with pytest.raises(openai.BadRequestError):  # one 4xx outcome
+        client.completions.create(model=app.served_model_name, prompt=PROMPT, max_tokens=1, top_p=2)
+    wanted = {EXPORTED_PREFIX + name for name in METRIC_NAMES + REPLICA_METRIC_NAMES} | _dashboard_series()
     deadline, missing = time.monotonic() + 30.0, wanted
     while missing and time.monotonic() < deadline:
         url = f"http://127.0.0.1:{app.metrics_port}/metrics"
@@ -235,3 +241,41 @@ def test_metrics_are_exported(client: openai.OpenAI, app: Any) -> None:
         if missing:
             time.sleep(1.0)
     assert not missing, f"not exported: {sorted(missing)}"
+
+
+def _dashboard_series() -> set[str]:
+    """Every `ray_tandem_*` series the Grafana dashboard queries (histograms as their `_bucket` series)."""
+    dashboard = Path(__file__).parents[2] / "helm" / "tandem" / "dashboards" / "tandem.json"
+    panels = json.loads(dashboard.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel["targets"]]
+    series = {name for expr in exprs for name in re.findall(r"ray_tandem_[a-z_]+", expr)}
+    assert len(series) >= 8, series
+    return series
+
+
+def test_cached_tokens_are_the_page_rounded_prefix_on_one_replica(client: openai.OpenAI, app: Any) -> None:
+    """A repeated prompt reports its whole cached prefix: all but its last token, in whole pages (4)."""
+    prompt = "Cached tokens probe: seven silver swans swim slowly southward under the winter sky."
+    first = client.completions.create(model=app.served_model_name, prompt=prompt, max_tokens=2)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    length = first.usage.prompt_tokens
+    stream = client.completions.create(
+        model=app.served_model_name,
+        prompt=prompt,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens == length
+    assert usage[0].prompt_tokens_details is not None
+    assert usage[0].prompt_tokens_details.cached_tokens == (length - 1) // 4 * 4
+    chat = [{"role": "user", "content": "Cached chat probe: amber owls hoot at the quiet harbour."}]
+    replies = [
+        client.chat.completions.create(model=app.served_model_name, messages=chat, max_tokens=2)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]  # type: ignore[union-attr]
+    chat_length = replies[0].usage.prompt_tokens  # type: ignore[union-attr]
+    assert cached == [0, (chat_length - 1) // 4 * 4]

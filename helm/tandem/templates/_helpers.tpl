@@ -100,7 +100,10 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
 {{- end }}
 {{- if include "tandem.autoscaling" . }}
 {{- $a := $v.autoscaling }}
-{{- $autoscalingConfig := dict "min_replicas" (int $a.minReplicas) "max_replicas" (int $a.maxReplicas) "target_ongoing_requests" (float64 $a.targetOngoingRequests) }}
+{{- $autoscalingConfig := dict "min_replicas" (int $a.minReplicas) "max_replicas" (int $a.maxReplicas) }}
+{{- if not (kindIs "invalid" $a.targetOngoingRequests) }}
+{{- $_ := set $autoscalingConfig "target_ongoing_requests" (float64 $a.targetOngoingRequests) }}
+{{- end }}
 {{- if not (kindIs "invalid" $a.initialReplicas) }}
 {{- $_ := set $autoscalingConfig "initial_replicas" (int $a.initialReplicas) }}
 {{- end }}
