@@ -9,6 +9,7 @@ the replica, where a request past the queue becomes an OpenAI-shaped 503 at once
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,9 +17,11 @@ from tandem.deploy.errors import overloaded
 
 
 class Admission:
-    """At most `max_running` jobs hold a slot; at most `max_queued` more wait for one (-1: no bound).
+    """At most `max_running` choices hold slots; at most `max_queued` more jobs wait for theirs (-1: no
+    bound). A job weighs its number of choices (capped at `max_running`, so any job can run alone);
+    waiting jobs are served in arrival order, so a heavy one is not passed over forever.
 
-    Taking a free slot does not yield to the event loop, so an idle replica adds no latency here.
+    Taking free slots does not yield to the event loop, so an idle replica adds no latency here.
     """
 
     def __init__(self, max_running: int, max_queued: int) -> None:
@@ -26,26 +29,50 @@ class Admission:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.max_running = max_running
         self.max_queued = max_queued
-        self._slots = asyncio.Semaphore(max_running)
-        self.running = 0
-        self.waiting = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self.running = 0  # slots held: choices of the running jobs
+        self.waiting = 0  # jobs waiting
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold a running slot for the body; raise the overloaded `OpenAIError` if the queue is full."""
-        if self.running >= self.max_running and 0 <= self.max_queued <= self.waiting:
-            raise overloaded(
-                f"the server is overloaded ({self.running} requests running and {self.waiting} queued "
-                f"on this replica); retry later"
-            )
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
+    async def slot(self, weight: int = 1) -> AsyncIterator[None]:
+        """Hold `weight` running slots for the body; raise the overloaded `OpenAIError` if the queue
+        is full."""
+        weight = min(max(weight, 1), self.max_running)
+        if not self._waiters and self.running + weight <= self.max_running:
+            self.running += weight
+        else:
+            if 0 <= self.max_queued <= self.waiting:
+                raise overloaded(
+                    f"the server is overloaded ({self.running} choices running and {self.waiting} "
+                    f"requests queued on this replica); retry later"
+                )
+            await self._wait(weight)
         try:
             yield
         finally:
-            self.running -= 1
-            self._slots.release()
+            self.running -= weight
+            self._wake()
+
+    async def _wait(self, weight: int) -> None:
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (weight, granted)
+        self._waiters.append(entry)
+        self.waiting += 1
+        try:
+            await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.running -= weight  # granted as we were cancelled: hand the slots on
+                self._wake()
+            else:
+                self._waiters.remove(entry)
+                self._wake()  # a heavy job leaving the head may let lighter ones in
+            raise
+        finally:
+            self.waiting -= 1
+
+    def _wake(self) -> None:
+        while self._waiters and self.running + self._waiters[0][0] <= self.max_running:
+            weight, granted = self._waiters.popleft()
+            self.running += weight
+            granted.set_result(None)

@@ -38,7 +38,7 @@ class ReplicaBackend:
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[JobEvent, None]:
         # The slot is held until the stream is closed (finished, or the client went away).
-        async with self._admission.slot(), aclosing(self._service.run(job)) as events:
+        async with self._admission.slot(job.num_choices), aclosing(self._service.run(job)) as events:
             async for event in events:
                 yield event
 
@@ -50,12 +50,15 @@ class ReplicaBackend:
         return [r for r in results if isinstance(r, dict)]
 
     async def replica_health(self) -> list[str | None]:
+        """A short reason code per unhealthy replica (None: healthy); the details go to the log."""
         try:
             results = await self._broadcast("check_health")
         except TimeoutError:
-            return ["a replica did not answer its health check in time"]
+            logger.warning("a replica did not answer its health check within %ss", CONTROL_TIMEOUT_S)
+            return ["health_check_timeout"]
         except DeploymentUnavailableError as exc:
-            return [f"no model server is available: {exc}"]
+            logger.warning("no model server is available: %s", exc)
+            return ["no_replica"]
         return [None if not isinstance(r, BaseException) else _reason(r) for r in results]
 
     async def _broadcast(self, method: str) -> list[Any]:
@@ -69,4 +72,6 @@ class ReplicaBackend:
 
 def _reason(exc: BaseException) -> str:
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    logger.warning("a replica is unhealthy: %s: %s", type(cause).__name__, cause)
+    code = getattr(cause, "code", None)
+    return code if isinstance(code, str) else "replica_unhealthy"

@@ -45,6 +45,8 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
         app_args, http, name, route_prefix = _read_config(Path(args.config), args.name)
     overrides = {"model": args.model, "tp_size": args.tp, "device": args.device}
     overrides["served_model_name"] = args.served_model_name
+    overrides["api_key"] = getattr(args, "api_key", None)
+    overrides["chat_template"] = getattr(args, "chat_template", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),

@@ -26,9 +26,11 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from tandem.deploy.admission import Admission
+from tandem.deploy.auth import ApiKeys
 from tandem.deploy.errors import OpenAIError, from_validation_errors
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
+from tandem.deploy.limits import RequestLimits, prompt_chars_bound
 from tandem.deploy.metrics import ServingMetrics
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
@@ -69,9 +71,16 @@ class LLMServer:
         max_queued: int,
         stats_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
+        api_keys: ApiKeys | None = None,
+        max_request_body_bytes: int | None = None,
+        max_choices_per_request: int | None = None,
+        prompt_chars_per_token: int | None = None,
+        chat_template: str | None = None,
+        stuck_rank_timeout_s: float | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
+        watchdog = {} if stuck_rank_timeout_s is None else {"stuck_rank_timeout_s": stuck_rank_timeout_s}
         self._replica: Any = factory(
             model,
             tp_size=tp_size,
@@ -79,18 +88,29 @@ class LLMServer:
             engine=engine,
             placement_strategy=placement_strategy,
             cpus_per_rank=cpus_per_rank,
+            **watchdog,
         )
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
-        generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
+        generation = GenerationService(
+            self._replica, self._metrics, vocab_size=self._replica.vocab_size, chat_template=chat_template
+        )
         backend = ReplicaBackend(generation, Admission(max_running, max_queued), _own_deployment_handle)
-        self._service = OpenAIService(backend, served_model_name, model_root)
+        limits = RequestLimits(
+            max_choices=max_choices_per_request or RequestLimits.max_choices,
+            max_prompt_chars=None
+            if prompt_chars_per_token is None
+            else prompt_chars_bound(self._replica.max_model_len, prompt_chars_per_token),
+        )
+        self._service = OpenAIService(backend, served_model_name, model_root, limits)
+        self._api_keys = api_keys
+        self._max_request_body_bytes = max_request_body_bytes
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self._service)
+        return build_http_app(self._service, self._api_keys, self._max_request_body_bytes)
 
     # ---- the handle API (section 6 of ARCHITECTURE.md) --------------------------------------------
     async def completions(self, body: dict[str, Any]) -> Response:

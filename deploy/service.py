@@ -18,6 +18,7 @@ from typing import Any, Protocol, cast
 from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, model_not_found, unavailable
 from tandem.deploy.job_builder import chat_job, completion_job
 from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobAccepted, JobEvent, JobRejected
+from tandem.deploy.limits import RequestLimits, check_job
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.responses import ChatFormat, ChoiceResult, CompletionFormat, usage_dict
 from tandem.deploy.stats import aggregate_stats
@@ -39,13 +40,20 @@ class Backend(Protocol):
     async def replica_stats(self) -> list[dict[str, Any]]: ...
 
     async def replica_health(self) -> list[str | None]:
-        """One entry per running replica: None if healthy, else why not."""
+        """One entry per running replica: None if healthy, else a short reason code (details logged)."""
         ...
 
 
 class OpenAIService:
-    def __init__(self, backend: Backend, served_model_name: str, model_root: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        served_model_name: str,
+        model_root: str | None = None,
+        limits: RequestLimits | None = None,
+    ) -> None:
         self._backend = backend
+        self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
         self._created = int(time.time())
@@ -77,18 +85,20 @@ class OpenAIService:
         return aggregate_stats(await self._backend.replica_stats())
 
     async def health(self) -> str | None:
-        """None when every replica (and each of its ranks) is healthy; otherwise why not."""
+        """None when every replica (and each of its ranks) is healthy; otherwise the replicas' reason
+        codes (e.g. `rank_unreachable`), each once."""
         results = await self._backend.replica_health()
         if not results:
-            return "no replica is running"
-        failures = [r for r in results if r is not None]
-        return "; ".join(failures) if failures else None
+            return "no_replica"
+        failures = sorted({r for r in results if r is not None})
+        return ",".join(failures) if failures else None
 
     def _check_model(self, request: SamplingFields) -> None:
         if request.model is not None and request.model != self.served_model_name:
             raise model_not_found(request.model, self.served_model_name)
 
     async def _run(self, request: SamplingFields, job: GenerateJob, fmt: _Format) -> Response:
+        check_job(job, self._limits)  # before admission: an oversized job must not wait for slots
         events = self._backend.generate(job)
         try:
             first = await anext(events)

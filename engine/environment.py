@@ -3,6 +3,7 @@
 It sits at the bottom of the layers (`engine`) so that every layer may use it.
 - `RAY_ADDRESS`: the Ray cluster to join, as `ray.init` and the `ray` CLI read it.
 - `XDG_CACHE_HOME`: the cache root, where the embedded tiny model is built once per machine.
+- `TANDEM_API_KEY`: API keys for `/v1/*`, comma separated (added to the `api_key` app arg).
 """
 
 from __future__ import annotations
@@ -20,3 +21,8 @@ def cache_home() -> Path:
     """XDG_CACHE_HOME, else ~/.cache."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base)
+
+
+def api_keys_from_env() -> list[str]:
+    """TANDEM_API_KEY: the API keys the server accepts, comma separated (empty entries dropped)."""
+    return [key.strip() for key in os.environ.get("TANDEM_API_KEY", "").split(",") if key.strip()]
