@@ -18,7 +18,7 @@ from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.ingress_mode import ray_environment
-from tandem.engine.environment import ray_address
+from tandem.engine.environment import ray_address, serve_host
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
 DEFAULT_HOST = "127.0.0.1"
@@ -52,7 +52,7 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
         app_args=AppArgs.model_validate(app_args),
         name=args.name or name or DEFAULT_APP_NAME,
         route_prefix=route_prefix,
-        host=args.host or http.get("host") or DEFAULT_HOST,
+        host=args.host or http.get("host") or serve_host() or DEFAULT_HOST,
         port=args.port or http.get("port") or DEFAULT_PORT,
     )
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.engine.environment import cache_home, ray_address
+from tandem.engine.environment import api_keys_from_env, cache_home, ray_address, serve_host
 
 
 def test_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -23,3 +23,14 @@ def test_cache_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cache_home() == tmp_path
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_home() == Path.home() / ".cache"
+
+
+def test_api_keys_and_serve_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_API_KEY", " sk-a ,,sk-b")
+    assert api_keys_from_env() == ["sk-a", "sk-b"]
+    monkeypatch.delenv("TANDEM_API_KEY")
+    assert api_keys_from_env() == []
+    monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")
+    assert serve_host() == "0.0.0.0"
+    monkeypatch.setenv("TANDEM_HOST", "")
+    assert serve_host() is None
