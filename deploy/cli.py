@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--chat-template", default=None, help="A Jinja chat template file (or inline template) to use."
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
+        "before they end with an error (default 30); new requests get 503 meanwhile.",
+    )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one)."

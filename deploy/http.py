@@ -26,6 +26,7 @@ from tandem.deploy.body_limit import BodyLimitMiddleware
 from tandem.deploy.errors import OpenAIError, from_validation_errors, internal_error
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.service import OpenAIService
+from tandem.deploy.shutdown import DrainGate, GateState
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,10 @@ def _to_http(result: dict[str, Any] | AsyncGenerator[dict[str, Any], None]) -> R
 
 
 def build_http_app(
-    service: OpenAIService, api_keys: ApiKeys | None = None, max_body_bytes: int | None = None
+    service: OpenAIService,
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int | None = None,
+    gate: GateState | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="tandem",
@@ -98,6 +102,8 @@ def build_http_app(
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    if gate is not None:  # outermost: it counts every request in flight, and turns all away once draining
+        app.add_middleware(DrainGate, state=gate)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:

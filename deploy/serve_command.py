@@ -9,7 +9,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 import yaml
@@ -18,6 +17,7 @@ from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.ingress_mode import ray_environment
+from tandem.deploy.shutdown import DEFAULT_DRAIN_GRACE_S, TerminateRequested, drain_app, raise_terminate
 from tandem.engine.environment import ray_address, serve_host
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
@@ -88,8 +88,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     plan = plan_from_cli(args)
     started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
-    # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below).
+    signal.signal(signal.SIGTERM, raise_terminate)
     try:
         serve.start(http_options={"host": plan.host, "port": plan.port})
         serve._run(build_app(plan.app_args), _blocking=False, name=plan.name, route_prefix=plan.route_prefix)
@@ -100,8 +100,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"tandem: try  curl {url}/v1/models   (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print("tandem: stopping", file=sys.stderr, flush=True)
+        if started_ray and isinstance(interrupt, TerminateRequested):
+            grace = getattr(args, "drain_timeout", None)
+            drain_app(plan.name, DEFAULT_DRAIN_GRACE_S if grace is None else grace)
         return 0
     finally:
         _stop(plan.name, started_ray)
@@ -231,7 +234,3 @@ def _stop(name: str, started_ray: bool) -> None:
         serve.delete(name)
     except Exception as exc:  # shutting down anyway; say what was left behind
         print(f"tandem: could not remove application '{name}': {exc}", file=sys.stderr)
-
-
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt

@@ -35,6 +35,7 @@ from tandem.deploy.metrics import ServingMetrics
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
 from tandem.deploy.service import OpenAIService, Response
+from tandem.deploy.shutdown import GateState
 
 logger = logging.getLogger(__name__)
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -106,11 +107,12 @@ class LLMServer:
         self._service = OpenAIService(backend, served_model_name, model_root, limits)
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes
+        self._gate = GateState()
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self._service, self._api_keys, self._max_request_body_bytes)
+        return build_http_app(self._service, self._api_keys, self._max_request_body_bytes, self._gate)
 
     # ---- the handle API (section 6 of ARCHITECTURE.md) --------------------------------------------
     async def completions(self, body: dict[str, Any]) -> Response:
@@ -132,6 +134,20 @@ class LLMServer:
 
     async def check_health(self) -> None:
         await self._replica.check_health()
+
+    # ---- draining, driven by `tandem serve` on SIGTERM (deploy/shutdown.py) ------------------------
+    async def begin_drain(self) -> None:
+        """Turn new HTTP requests away (503); those in flight go on."""
+        self._gate.close()
+
+    async def in_flight(self) -> int:
+        return self._gate.in_flight
+
+    async def end_drain(self) -> None:
+        """End what is still running with an error event, stop the ranks, and wait (briefly) until the
+        error events are sent."""
+        await self._replica.shutdown(drain_timeout_s=0.0)
+        await self._gate.wait_idle(timeout_s=5.0)
 
     async def _call(
         self,

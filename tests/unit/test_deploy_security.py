@@ -370,3 +370,38 @@ def test_a_cancelled_waiter_lets_the_next_one_in() -> None:
         assert admission.running == 0
 
     asyncio.run(scenario())
+
+
+# ---- the drain gate -------------------------------------------------------------------------------
+
+
+def test_the_drain_gate_counts_requests_and_turns_new_ones_away() -> None:
+    from tandem.deploy.shutdown import DrainGate, GateState
+
+    async def scenario() -> None:
+        gate = GateState()
+        release = asyncio.Event()
+
+        async def slow(scope: Any, receive: Any, send: Any) -> None:  # a stream still being sent
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await release.wait()
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+        transport = httpx.ASGITransport(app=DrainGate(slow, gate))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            running = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+            await asyncio.sleep(0.05)
+            assert gate.in_flight == 1
+            gate.close()
+            late = await client.post("/v1/completions", json=COMPLETION)
+            assert late.status_code == 503 and error_of(late)["code"] == "shutting_down"
+            health = await client.get("/health")
+            assert health.status_code == 503 and error_of(health)["message"] == "unhealthy: draining"
+            waiting = asyncio.create_task(gate.wait_idle(timeout_s=5.0))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            release.set()
+            assert (await running).text == "data: [DONE]\n\n"  # the request in flight finished normally
+            assert await waiting and gate.in_flight == 0
+
+    asyncio.run(scenario())
