@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tandem.deploy.admission import Admission
 from tandem.deploy.args import AppArgs
@@ -405,3 +407,39 @@ def test_the_drain_gate_counts_requests_and_turns_new_ones_away() -> None:
             assert await waiting and gate.in_flight == 0
 
     asyncio.run(scenario())
+
+
+# ---- fuzzing the bounds ---------------------------------------------------------------------------
+
+_FUZZ_APP, _FUZZ_REPLICA = make_app(
+    ApiKeys(["sk-fuzz"]), max_body_bytes=4096, limits=RequestLimits(max_choices=8, max_prompt_chars=64)
+)
+
+
+@given(
+    prompts=st.lists(st.text(max_size=80), min_size=1, max_size=6),
+    n=st.integers(min_value=1, max_value=4),
+    key=st.sampled_from([None, "sk-fuzz", "sk-fuz", "sk-fuzzz", ""]),
+    padding=st.integers(min_value=0, max_value=6000),
+)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_fuzzed_bounds_give_the_right_4xx_and_never_a_5xx(
+    prompts: list[str], n: int, key: str | None, padding: int
+) -> None:
+    body = json.dumps({"prompt": prompts, "n": n, "max_tokens": 1, "user": "u" * padding}).encode()
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    response = request(_FUZZ_APP, "POST", "/v1/completions", content=body, headers=headers)
+    if key != "sk-fuzz":
+        expected = 401
+    elif len(body) > 4096:
+        expected = 413
+    elif len(prompts) * n > 8 or any(len(p) > 64 for p in prompts):
+        expected = 400
+    else:
+        expected = response.status_code  # within the bounds: the replica decides (200, or a 400 it owns)
+        assert expected in (200, 400), response.text
+    assert response.status_code == expected, (response.status_code, response.text[:200])
+    if expected != 200:
+        error_of(response)
