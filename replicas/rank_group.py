@@ -89,11 +89,17 @@ class RankGroup:
         """Why this group is unhealthy: dead or stopped actors, crashed loops, stuck ranks."""
         found: list[Problem] = []
         refs = [a.heartbeat.remote() for a in self.actors]
+        # One deadline for all: a stopped rank costs `timeout_s` once, not once per rank after it; and
+        # never longer than the stuck-rank timeout, so a stopped process is found as fast as a stuck one.
+        timeout_s = min(timeout_s, watchdog.stuck_after_s)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
         for rank, ref in enumerate(refs):
-            try:
-                beat: Beat | BaseException = Beat(*ray.get(ref, timeout=timeout_s))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                beat = exc
+            beat: Beat | BaseException = TimeoutError(f"no heartbeat within {timeout_s:g}s")
+            if ref in ready:
+                try:
+                    beat = Beat(*ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    beat = exc
             problem = watchdog.judge(rank, beat)
             if problem is not None:
                 found.append(problem)
