@@ -113,12 +113,19 @@ def test_a_20mb_body_is_413_at_once_while_a_stream_flows(
     reliability_figures["body_413"] = {"seconds": round(seconds, 3), "stream_max_gap_s": round(max(gaps), 3)}
 
 
-def test_ten_thousand_prompts_times_128_is_400_at_once(app: Any, check_error: Callable[..., Any]) -> None:
+def test_ten_thousand_prompts_times_128_is_400_at_once(
+    app: Any, check_error: Callable[..., Any], ray_actors: Any
+) -> None:
     body = {"prompt": ["hi there"] * 10_000, "n": 128, "max_tokens": 1}
+    (replica_pid,) = ray_actors.alive("LLMServer").values()
     start = time.monotonic()
     response = post(app, "/v1/completions", body, AUTH)
     assert response.status_code == 400 and time.monotonic() - start < 1.0
     assert check_error(response.json())["param"] == "n"
+    before = ray_actors.rss_mib(replica_pid)  # after the first: the parser's own one-time allocations
+    for _ in range(5):
+        assert post(app, "/v1/completions", body, AUTH).status_code == 400
+    assert ray_actors.rss_mib(replica_pid) - before < 16.0  # 1.28M choices were never built
 
 
 def test_clients_cannot_pick_the_chat_template(app: Any, check_error: Callable[..., Any]) -> None:
