@@ -7,7 +7,8 @@
 #   BASE_IMAGE          a CUDA image; use a -devel variant if flashinfer must JIT-compile kernels it has
 #                       no prebuilt cubins for (that needs nvcc).
 #   RAY_VERSION         must equal the chart's rayVersion (helm/tandem/values.yaml; a unit test checks).
-#   TORCH_VERSION, FLASHINFER_VERSION   exact versions; TORCH_INDEX_URL picks a wheel index for a
+#   TORCH_VERSION, FLASHINFER_VERSION   exact versions (those the GPU benchmarks ran: torch 2.11.0,
+#                       flashinfer 0.7.4); TORCH_INDEX_URL picks a wheel index for a
 #                       specific CUDA build.
 # It runs as the unprivileged user `ray` (uid 1000), as the chart's securityContext expects.
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
@@ -15,7 +16,7 @@ FROM ${BASE_IMAGE}
 
 ARG RAY_VERSION=2.60.0
 ARG TORCH_VERSION=2.11.0
-ARG FLASHINFER_VERSION=0.6.1
+ARG FLASHINFER_VERSION=0.7.4
 ARG TORCH_INDEX_URL=""
 
 ENV DEBIAN_FRONTEND=noninteractive \
