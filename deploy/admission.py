@@ -5,9 +5,9 @@ overload away at the proxy, in plain text. Serve is therefore told to admit more
 (see `app.py`), and this class applies the replica's running bound and queue bound inside the replica,
 where a request past the queue becomes an OpenAI-shaped 503 at once.
 
-The running bound defaults to what the engine runs at once, known only once the replica's ranks are up
-(`resize`). A slot is given back when its job's last token arrives from the engine, not when a slow
-client has finished reading it: the engine's batch, not the clients' pace, sets how many run.
+The running bound defaults to what the engine runs at once, known only once the replica's ranks are up.
+A job's slots are given back when its last token arrives from the engine, not when a slow client has
+finished reading it: the engine's batch, not the clients' pace, sets how many run.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ Release = Callable[[], None]
 
 
 class Admission:
-    """At most `max_running` jobs hold a slot; at most `max_queued` more wait for one (-1: no bound).
+    """At most `max_running` choices hold slots; at most `max_queued` more jobs wait for theirs (-1: no
+    bound). A job weighs its number of choices (capped at `max_running`, so any job can run alone);
+    waiting jobs are served in arrival order, so a heavy one is not passed over forever.
 
-    Taking a free slot does not yield to the event loop, so an idle replica adds no latency here.
+    Taking free slots does not yield to the event loop, so an idle replica adds no latency here.
     """
 
     def __init__(self, max_running: int, max_queued: int) -> None:
@@ -33,70 +35,64 @@ class Admission:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.max_running = max_running
         self.max_queued = max_queued
-        self.running = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self.running = 0  # slots held: choices of the running jobs
+        self.waiting = 0  # jobs waiting
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    def resize(self, max_running: int, max_queued: int | None = None) -> None:
-        """Change the bounds; waiters that now fit start at once."""
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        self.max_running = max_running
-        if max_queued is not None:
-            self.max_queued = max_queued
-        self._wake()
-
-    async def acquire(self) -> Release:
-        """Wait for a running slot; return its (idempotent) release. Raises the overloaded `OpenAIError`
-        at once if the queue is full."""
-        if self.running >= self.max_running or self._waiters:
-            if 0 <= self.max_queued <= len(self._waiters):
-                raise overloaded(
-                    f"the server is overloaded ({self.running} requests running and {self.waiting} "
-                    f"queued on this replica); retry later"
-                )
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._give_back()  # the slot was handed over as the waiter was cancelled
-                elif waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                raise
+    async def acquire(self, weight: int = 1) -> Release:
+        """Wait for `weight` running slots; return their (idempotent) release. Raises the overloaded
+        `OpenAIError` at once if the queue is full."""
+        weight = min(max(weight, 1), self.max_running)
+        if not self._waiters and self.running + weight <= self.max_running:
+            self.running += weight
         else:
-            self.running += 1
+            if 0 <= self.max_queued <= self.waiting:
+                raise overloaded(
+                    f"the server is overloaded ({self.running} choices running and {self.waiting} "
+                    f"requests queued on this replica); retry later"
+                )
+            await self._wait(weight)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._give_back()
+                self.running -= weight
+                self._wake()
 
         return release
 
     @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold a running slot for the body."""
-        release = await self.acquire()
+    async def slot(self, weight: int = 1) -> AsyncIterator[None]:
+        """Hold `weight` running slots for the body."""
+        release = await self.acquire(weight)
         try:
             yield
         finally:
             release()
 
-    def _give_back(self) -> None:
-        self.running -= 1
-        self._wake()
+    async def _wait(self, weight: int) -> None:
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (weight, granted)
+        self._waiters.append(entry)
+        self.waiting += 1
+        try:
+            await granted
+        except BaseException:
+            if granted.done() and not granted.cancelled():
+                self.running -= weight  # granted as we were cancelled: hand the slots on
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+            self._wake()  # a heavy job leaving the head may let lighter ones in
+            raise
+        finally:
+            self.waiting -= 1
 
     def _wake(self) -> None:
-        # A slot passes straight to the oldest waiter, so a newcomer cannot overtake the queue.
-        while self._waiters and self.running < self.max_running:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.running += 1
-                waiter.set_result(None)
+        while self._waiters and self.running + self._waiters[0][0] <= self.max_running:
+            weight, granted = self._waiters.popleft()
+            if granted.done():  # cancelled while queued
+                continue
+            self.running += weight
+            granted.set_result(None)

@@ -18,6 +18,7 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
+from tandem.deploy.auth import resolve_api_keys
 from tandem.deploy.capacity import replica_capacity
 from tandem.deploy.prefix_routing import (
     autoscaling_config,
@@ -26,6 +27,7 @@ from tandem.deploy.prefix_routing import (
     with_route_ingress,
 )
 from tandem.deploy.server import QUEUED_PER_RUNNING, LLMServer
+from tandem.deploy.templates import load_chat_template
 
 REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
 ADMISSION_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load
@@ -59,6 +61,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             max_running=app_args.max_ongoing_requests,
             max_queued=app_args.max_queued_requests,
             drain_timeout_s=DRAIN_TIMEOUT_S,
+            # Resolved here, where the app is built: TANDEM_API_KEY and the template file are read on the
+            # machine that deploys, not on every replica's node.
+            api_keys=resolve_api_keys(app_args.api_keys()),
+            max_request_body_bytes=app_args.max_request_body_bytes,
+            max_choices_per_request=app_args.max_choices_per_request,
+            prompt_chars_per_token=app_args.prompt_chars_per_token,
+            chat_template=load_chat_template(app_args.chat_template),
+            stuck_rank_timeout_s=app_args.stuck_rank_timeout_s,
         )
     )
     return with_route_ingress(app, app_args)

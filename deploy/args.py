@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 TINY_MODEL_NAME = "tandem-tiny"
 """The served name of the demo model, used when `model` is left unset."""
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
+DEFAULT_MAX_CHOICES_PER_REQUEST = 512
+DEFAULT_PROMPT_CHARS_PER_TOKEN = 32
+DEFAULT_STUCK_RANK_TIMEOUT_S = 10.0
 
 
 class EngineArgs(BaseModel):
@@ -239,6 +243,42 @@ class AppArgs(BaseModel):
         description="Ray accelerator type (e.g. 'H100') the GPU bundles must land on; unset: any GPU.",
     )
 
+    # -- security and hardening (docs/serve-config.md#security) ------------------------------------
+    api_key: SecretStr | list[SecretStr] | None = Field(
+        default=None,
+        description="API key(s) that /v1/* requests must send as `Authorization: Bearer <key>`; the "
+        "TANDEM_API_KEY environment variable (comma separated) adds more. Neither set: no authentication. "
+        "/health and /metrics stay open.",
+    )
+    max_request_body_bytes: int = Field(
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        ge=1024,
+        description="Largest request body in bytes; a larger one gets 413 before it is parsed.",
+    )
+    max_choices_per_request: int = Field(
+        default=DEFAULT_MAX_CHOICES_PER_REQUEST,
+        ge=1,
+        description="Most choices (prompts x n) one request may ask for; more gets 400.",
+    )
+    prompt_chars_per_token: int = Field(
+        default=DEFAULT_PROMPT_CHARS_PER_TOKEN,
+        ge=1,
+        description="A prompt longer than max_model_len x this many characters gets 400 before it is "
+        "tokenized (no real token is that long, so it cannot fit).",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A Jinja chat template file, or the template itself, replacing the tokenizer's. "
+        "Clients can never choose the template.",
+    )
+    stuck_rank_timeout_s: float = Field(
+        default=DEFAULT_STUCK_RANK_TIMEOUT_S,
+        gt=0.0,
+        description="A rank that has work but has not finished a step for this long fails the replica's "
+        "health, and its requests end with an error.",
+    )
+
     @model_validator(mode="after")
     def _check_replicas(self) -> AppArgs:
         if self.num_replicas is not None and self.autoscaling_config is not None:
@@ -247,6 +287,13 @@ class AppArgs(BaseModel):
                 f"(got num_replicas={self.num_replicas} and an autoscaling_config)"
             )
         return self
+
+    def api_keys(self) -> list[str]:
+        """The configured API keys in clear (TANDEM_API_KEY is added where the app is built)."""
+        if self.api_key is None:
+            return []
+        keys = self.api_key if isinstance(self.api_key, list) else [self.api_key]
+        return [key.get_secret_value() for key in keys]
 
     def resolved_served_model_name(self) -> str:
         """The model name clients address: `served_model_name`, else `model`, else the tiny model's."""

@@ -46,6 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="A serve config YAML (its tandem application's args and http_options are used) "
         "or a YAML of the application args alone.",
     )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="An API key that /v1/* requests must send as 'Authorization: Bearer <key>'; repeat for "
+        "several. TANDEM_API_KEY (comma separated) adds more; prefer it, since flags show in `ps`.",
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="A Jinja chat template file (or inline template) to use."
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
+        "before they end with an error (default 30); new requests get 503 meanwhile.",
+    )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one)."

@@ -8,8 +8,10 @@ its KV pages.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,12 +21,13 @@ from tandem.deploy.job_run import JobRun, Submitter
 from tandem.deploy.jobs import GenerateJob, JobAccepted, JobRejected
 from tandem.deploy.logprobs import TokenStrings
 from tandem.deploy.metrics import MetricsSink
+from tandem.deploy.templates import forbidden_template_kwargs
 from tandem.scheduler.sampling_params import SamplingParams
 
-# Arguments a chat template receives from us; `chat_template_kwargs` may not override them.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "tools", "documents"}
-)
+# Inputs up to this many characters are tokenized (and chat templates rendered) on the event loop: that
+# takes microseconds, less than a hop to a thread and back. Longer ones go to the tokenizer thread, so a
+# large prompt never stalls the other requests' streams.
+INLINE_TOKENIZE_CHARS = 4096
 
 
 class ReplicaLike(Submitter, Protocol):
@@ -65,8 +68,18 @@ class _Choice:
 class GenerationService:
     """Runs `GenerateJob`s on one LLMReplica; owned by one LLMServer replica."""
 
-    def __init__(self, replica: ReplicaLike, metrics: MetricsSink, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        replica: ReplicaLike,
+        metrics: MetricsSink,
+        vocab_size: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         self._replica = replica
+        self._chat_template = chat_template  # None: the tokenizer's own
+        # One thread: requests' tokenizing runs in order off the loop, and the tokenizer, which is not
+        # documented as thread-safe, is never used by two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
         self._metrics = metrics
         self._tokenizer = replica.tokenizer
         self._vocab_size = vocab_size if vocab_size is not None else len(replica.tokenizer)
@@ -82,7 +95,7 @@ class GenerationService:
         (or the run is closed first)."""
         self._metrics.queue_time(time.time() - job.arrival_time)
         try:
-            prompts = self._prompt_ids(job)
+            prompts = await self._tokenize(job)
             choices = self._choices(job, prompts)
             await self._check_constraints(job)
         except Rejected as rejected:
@@ -117,6 +130,12 @@ class GenerationService:
                 param = job.structured_param or "response_format"
                 raise Rejected(f"{param} cannot be used: {problem}", param)
 
+    async def _tokenize(self, job: GenerateJob) -> list[list[int]]:
+        if _input_chars(job) <= INLINE_TOKENIZE_CHARS:
+            return self._prompt_ids(job)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, job)
+
     def _prompt_ids(self, job: GenerateJob) -> list[list[int]]:
         if job.messages is not None:
             return [self._render_chat(job)]
@@ -134,14 +153,18 @@ class GenerationService:
 
     def _render_chat(self, job: GenerateJob) -> list[int]:
         extra = dict(job.chat_template_kwargs or {})
-        clash = sorted(_RESERVED_TEMPLATE_KWARGS & extra.keys())
-        if clash:
+        clash = forbidden_template_kwargs(extra)
+        if clash:  # the protocol refuses these already; a job built elsewhere must not get through
             raise Rejected(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
         try:
             if job.tools:
                 extra["tools"] = job.tools
             text = self._tokenizer.apply_chat_template(
-                job.messages, tokenize=False, add_generation_prompt=True, **extra
+                job.messages,
+                chat_template=self._chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **extra,
             )
         except Exception as exc:  # a template raising on odd input is the client's 400, not our 500
             raise Rejected(f"the chat template failed on these messages: {exc}", "messages") from None
@@ -188,3 +211,9 @@ class GenerationService:
                         raise Rejected(str(exc)) from None
                 choices.append(_Choice(index, ids, sampling, f"{job.request_id}-{index}"))
         return choices
+
+
+def _input_chars(job: GenerateJob) -> int:
+    if job.messages is not None:
+        return sum(len(m["content"]) for m in job.messages if isinstance(m.get("content"), str))
+    return sum(len(p) if isinstance(p, str) else len(p) // 4 for p in job.prompts or [])

@@ -21,16 +21,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+from tandem.deploy.auth import ApiKeyMiddleware, ApiKeys
+from tandem.deploy.body_limit import BodyLimitMiddleware
 from tandem.deploy.errors import OpenAIError, from_validation_errors, internal_error
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.service import ChunkBatches, OpenAIService
+from tandem.deploy.shutdown import DrainGate, GateState
 
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid parameters, or a prompt plus max_tokens over the context length."},
+    401: {"description": "An API key is configured and the request has no valid `Authorization: Bearer`."},
     404: {"description": "Unknown model."},
+    413: {"description": "The body is larger than max_request_body_bytes."},
     503: {"description": "Overloaded (past max_queued_requests) or no healthy replica."},
 }
 _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -82,12 +87,24 @@ def _to_http(result: dict[str, Any] | ChunkBatches) -> Response:
     return ClosingStreamingResponse(sse_events(result), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def build_http_app(service: OpenAIService) -> FastAPI:
+def build_http_app(
+    service: OpenAIService,
+    api_keys: ApiKeys | None = None,
+    max_body_bytes: int | None = None,
+    gate: GateState | None = None,
+) -> FastAPI:
     app = FastAPI(
         title="tandem",
         summary="OpenAI-compatible LLM serving on Ray Serve.",
         version="0.1.0",
     )
+    # Added last runs first: the key is checked before a byte of the body is read, then its size.
+    if max_body_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    if gate is not None:  # outermost: it counts every request in flight, and turns all away once draining
+        app.add_middleware(DrainGate, state=gate)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -126,10 +143,13 @@ def build_http_app(service: OpenAIService) -> FastAPI:
 
     @app.get("/health", responses={200: {"description": "Every rank is up."}, 503: {"description": "Not."}})
     async def health() -> Response:
-        """200 when every replica and rank is healthy; 503 with the reason otherwise."""
-        problem = await service.health()
-        if problem is not None:
-            return error_response(OpenAIError(503, problem, type="server_error", code="unhealthy"))
+        """200 when every replica and rank is healthy; 503 with a short reason code otherwise (the
+        details are in the replica's log, not for anonymous callers)."""
+        reason = await service.health()
+        if reason is not None:
+            return error_response(
+                OpenAIError(503, f"unhealthy: {reason}", type="server_error", code="unhealthy")
+            )
         return JSONResponse({"status": "ok"})
 
     return app

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.deploy.protocol_structured import StructuredFields, ToolFields
+from tandem.deploy.templates import forbidden_template_kwargs
 from tandem.scheduler.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -191,8 +192,21 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         default=None, ge=0, le=MAX_LOGPROBS, description="With logprobs: this many alternatives per token."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
-        default=None, description="Extra variables for the chat template (e.g. enable_thinking)."
+        default=None,
+        description="Extra variables for the chat template (e.g. enable_thinking). Keys that would "
+        "change the template or how it is applied (chat_template, tokenize, ...) are refused.",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_stays_the_servers(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs:
+            forbidden = forbidden_template_kwargs(kwargs)
+            if forbidden:
+                raise ValueError(
+                    f"chat_template_kwargs may not set {forbidden}: the server picks the template"
+                )
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

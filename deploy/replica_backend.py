@@ -39,7 +39,7 @@ class ReplicaBackend:
     async def start(self, job: GenerateJob) -> JobRun | JobRejected:
         # The slot is held until the job's last token arrives from the engine, or the run is closed
         # first (the client went away), whichever comes first.
-        release = await self._admission.acquire()
+        release = await self._admission.acquire(job.num_choices)
         try:
             result = await self._service.start(job, on_engine_done=release)
         except BaseException:
@@ -57,12 +57,15 @@ class ReplicaBackend:
         return [r for r in results if isinstance(r, dict)]
 
     async def replica_health(self) -> list[str | None]:
+        """A short reason code per unhealthy replica (None: healthy); the details go to the log."""
         try:
             results = await self._broadcast("check_health")
         except TimeoutError:
-            return ["a replica did not answer its health check in time"]
+            logger.warning("a replica did not answer its health check within %ss", CONTROL_TIMEOUT_S)
+            return ["health_check_timeout"]
         except DeploymentUnavailableError as exc:
-            return [f"no model server is available: {exc}"]
+            logger.warning("no model server is available: %s", exc)
+            return ["no_replica"]
         return [None if not isinstance(r, BaseException) else _reason(r) for r in results]
 
     async def _broadcast(self, method: str) -> list[Any]:
@@ -76,4 +79,6 @@ class ReplicaBackend:
 
 def _reason(exc: BaseException) -> str:
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    logger.warning("a replica is unhealthy: %s: %s", type(cause).__name__, cause)
+    code = getattr(cause, "code", None)
+    return code if isinstance(code, str) else "replica_unhealthy"

@@ -14,7 +14,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 import yaml
@@ -24,7 +23,8 @@ from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.ingress_mode import ray_environment, resolve_ingress
 from tandem.deploy.processes import ProcessTree, port_holder
-from tandem.engine.environment import ray_address
+from tandem.deploy.shutdown import DEFAULT_DRAIN_GRACE_S, TerminateRequested, drain_app, raise_terminate
+from tandem.engine.environment import ray_address, serve_host
 
 IMPORT_PATH = "tandem.deploy.app:build_app"
 DEFAULT_HOST = "127.0.0.1"
@@ -51,12 +51,14 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
         app_args, http, name, route_prefix = _read_config(Path(args.config), args.name)
     overrides = {"model": args.model, "tp_size": args.tp, "device": args.device}
     overrides["served_model_name"] = args.served_model_name
+    overrides["api_key"] = getattr(args, "api_key", None)
+    overrides["chat_template"] = getattr(args, "chat_template", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),
         name=args.name or name or DEFAULT_APP_NAME,
         route_prefix=route_prefix,
-        host=args.host or http.get("host") or DEFAULT_HOST,
+        host=args.host or http.get("host") or serve_host() or DEFAULT_HOST,
         port=args.port or http.get("port") or DEFAULT_PORT,
     )
 
@@ -93,8 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
     plan = plan_from_cli(args)
     processes = ProcessTree()
     started_ray = False
-    # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below).
+    signal.signal(signal.SIGTERM, raise_terminate)
     try:
         started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
         serve.start(http_options={"host": plan.host, "port": plan.port})
@@ -108,8 +110,11 @@ def run_serve(args: argparse.Namespace) -> int:
         while True:
             processes.snapshot()  # HAProxy reloads start new processes: keep the list current
             time.sleep(5.0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         print("tandem: stopping", file=sys.stderr, flush=True)
+        if started_ray and isinstance(interrupt, TerminateRequested):
+            grace = getattr(args, "drain_timeout", None)
+            drain_app(plan.name, DEFAULT_DRAIN_GRACE_S if grace is None else grace)
         return 0
     except PortTaken as taken:
         print(f"tandem: {taken}", file=sys.stderr, flush=True)
@@ -281,7 +286,3 @@ def _stop(name: str, started_ray: bool) -> None:
         serve.delete(name)
     except Exception as exc:  # shutting down anyway; say what was left behind
         print(f"tandem: could not remove application '{name}': {exc}", file=sys.stderr)
-
-
-def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt

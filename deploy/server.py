@@ -26,15 +26,18 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from tandem.deploy.admission import Admission
+from tandem.deploy.auth import ApiKeys
 from tandem.deploy.errors import OpenAIError, from_validation_errors
 from tandem.deploy.generation import GenerationService
 from tandem.deploy.http import build_http_app
+from tandem.deploy.limits import RequestLimits, prompt_chars_bound
 from tandem.deploy.metrics import ServingMetrics
 from tandem.deploy.prefix_routing import ONGOING_STAT
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.replica_backend import ReplicaBackend
 from tandem.deploy.replica_metrics import ReplicaMetrics
 from tandem.deploy.service import OpenAIService, Response
+from tandem.deploy.shutdown import GateState
 
 logger = logging.getLogger(__name__)
 QUEUED_PER_RUNNING = 4  # the default queue bound: a few engine batches' worth of requests
@@ -72,9 +75,16 @@ class LLMServer:
         max_queued: int | None,
         stats_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
+        api_keys: ApiKeys | None = None,
+        max_request_body_bytes: int | None = None,
+        max_choices_per_request: int | None = None,
+        prompt_chars_per_token: int | None = None,
+        chat_template: str | None = None,
+        stuck_rank_timeout_s: float | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
+        watchdog = {} if stuck_rank_timeout_s is None else {"stuck_rank_timeout_s": stuck_rank_timeout_s}
         self._replica: Any = factory(
             model,
             tp_size=tp_size,
@@ -82,23 +92,37 @@ class LLMServer:
             engine=engine,
             placement_strategy=placement_strategy,
             cpus_per_rank=cpus_per_rank,
+            **watchdog,
         )
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
-        generation = GenerationService(self._replica, self._metrics, vocab_size=self._replica.vocab_size)
+        generation = GenerationService(
+            self._replica, self._metrics, vocab_size=self._replica.vocab_size, chat_template=chat_template
+        )
         # Unset bounds follow the engine: run what it runs at once, queue a few batches more.
         running = max_running or self._replica.max_running
         queued = max_queued if max_queued is not None else QUEUED_PER_RUNNING * running
         self._admission = Admission(running, queued)
         backend = ReplicaBackend(generation, self._admission, _own_deployment_handle)
         self._replica_metrics = ReplicaMetrics(served_model_name, serve.get_replica_context().replica_tag)
-        self._service = OpenAIService(backend, served_model_name, model_root, self._replica_metrics)
+        limits = RequestLimits(
+            max_choices=max_choices_per_request or RequestLimits.max_choices,
+            max_prompt_chars=None
+            if prompt_chars_per_token is None
+            else prompt_chars_bound(self._replica.max_model_len, prompt_chars_per_token),
+        )
+        self._service = OpenAIService(
+            backend, served_model_name, model_root, outcomes=self._replica_metrics, limits=limits
+        )
+        self._api_keys = api_keys
+        self._max_request_body_bytes = max_request_body_bytes
+        self._gate = GateState()
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self._service)
+        return build_http_app(self._service, self._api_keys, self._max_request_body_bytes, self._gate)
 
     # ---- the handle API (public: callers outside tandem use it) ----------------------------------------
     async def completions(
@@ -132,6 +156,19 @@ class LLMServer:
         """What Serve hands the request router each period: this replica's running and queued requests
         (HAProxy's traffic never passes the router, so it has no count of its own there)."""
         return {ONGOING_STAT: self._admission.running + self._admission.waiting}
+    # ---- draining, driven by `tandem serve` on SIGTERM (deploy/shutdown.py) ------------------------
+    async def begin_drain(self) -> None:
+        """Turn new HTTP requests away (503); those in flight go on."""
+        self._gate.close()
+
+    async def in_flight(self) -> int:
+        return self._gate.in_flight
+
+    async def end_drain(self) -> None:
+        """End what is still running with an error event, stop the ranks, and wait (briefly) until the
+        error events are sent."""
+        await self._replica.shutdown(drain_timeout_s=0.0)
+        await self._gate.wait_idle(timeout_s=5.0)
 
     async def _call(
         self,

@@ -19,6 +19,7 @@ from tandem.deploy.errors import OpenAIError, internal_error, invalid_request, m
 from tandem.deploy.job_builder import chat_job, completion_job
 from tandem.deploy.job_run import JobRun
 from tandem.deploy.jobs import ChoiceDelta, GenerateJob, JobRejected
+from tandem.deploy.limits import RequestLimits, check_job
 from tandem.deploy.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.replica_metrics import NullOutcomes, OutcomeSink, outcome_of_exception, tracked_stream
 from tandem.deploy.responses import CachedTokens, ChatFormat, ChoiceResult, CompletionFormat, usage_dict
@@ -44,7 +45,7 @@ class Backend(Protocol):
     async def replica_stats(self) -> list[dict[str, Any]]: ...
 
     async def replica_health(self) -> list[str | None]:
-        """One entry per running replica: None if healthy, else why not."""
+        """One entry per running replica: None if healthy, else a short reason code (details logged)."""
         ...
 
 
@@ -55,8 +56,10 @@ class OpenAIService:
         served_model_name: str,
         model_root: str | None = None,
         outcomes: OutcomeSink | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self._backend = backend
+        self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
         self._created = int(time.time())
@@ -108,18 +111,20 @@ class OpenAIService:
         return aggregate_stats(await self._backend.replica_stats())
 
     async def health(self) -> str | None:
-        """None when every replica (and each of its ranks) is healthy; otherwise why not."""
+        """None when every replica (and each of its ranks) is healthy; otherwise the replicas' reason
+        codes (e.g. `rank_unreachable`), each once."""
         results = await self._backend.replica_health()
         if not results:
-            return "no replica is running"
-        failures = [r for r in results if r is not None]
-        return "; ".join(failures) if failures else None
+            return "no_replica"
+        failures = sorted({r for r in results if r is not None})
+        return ",".join(failures) if failures else None
 
     def _check_model(self, request: SamplingFields) -> None:
         if request.model is not None and request.model != self.served_model_name:
             raise model_not_found(request.model, self.served_model_name)
 
     async def _run(self, request: SamplingFields, job: GenerateJob, fmt: _Format) -> Response:
+        check_job(job, self._limits)  # before admission: an oversized job must not wait for slots
         run = await self._backend.start(job)
         if isinstance(run, JobRejected):
             raise invalid_request(run.message, param=run.param, code=run.code)

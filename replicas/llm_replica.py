@@ -23,6 +23,7 @@ from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
+from tandem.replicas.watchdog import Problem, RankWatchdog, ReplicaUnhealthy, task_died
 from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.messages import AbortRequest, AddRequest, TokenOutput
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
@@ -47,6 +48,7 @@ class LLMReplica:
         placement_strategy: str = "STRICT_PACK",
         cpus_per_rank: float = 1.0,
         max_heartbeat_age_s: float = 60.0,
+        stuck_rank_timeout_s: float = 10.0,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -57,6 +59,7 @@ class LLMReplica:
         self.placement_strategy = placement_strategy
         self.cpus_per_rank = cpus_per_rank
         self.max_heartbeat_age_s = max_heartbeat_age_s
+        self._watchdog = RankWatchdog(stuck_rank_timeout_s, idle_after_s=max_heartbeat_age_s)
         self.tokenizer: Any = None
         self._decoder: TokenDecoder | None = None
         self.limits: RuntimeLimits | None = None
@@ -65,7 +68,7 @@ class LLMReplica:
         self._streams: dict[int, RequestStream] = {}
         self._rids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
-        self._problems: list[str] = []
+        self._problems: list[Problem] = []
         self._draining = False
         self._start_lock = asyncio.Lock()
         self._grammars: GrammarCache | None = None  # compiles only to validate: the ranks keep their own
@@ -102,9 +105,11 @@ class LLMReplica:
                 return
             await asyncio.to_thread(self._start_blocking)
             self._tasks = [
-                asyncio.create_task(self._receive_loop()),
-                asyncio.create_task(self._health_loop()),
+                asyncio.create_task(self._receive_loop(), name="receive_loop"),
+                asyncio.create_task(self._health_loop(), name="health_loop"),
             ]
+            for task in self._tasks:
+                task.add_done_callback(self._task_ended)
 
     def _start_blocking(self) -> None:
         from transformers import AutoTokenizer
@@ -202,7 +207,7 @@ class LLMReplica:
         if self._draining:
             raise RuntimeError("the replica is shutting down and admits no new requests")
         if self._problems:
-            raise RuntimeError(f"the replica is unhealthy: {'; '.join(self._problems)}")
+            raise RuntimeError(f"the replica is unhealthy: {ReplicaUnhealthy(self._problems)}")
         assert self._channel is not None and self._decoder is not None
         rid = next(self._rids)
         detok = IncrementalDetokenizer(self._decoder, prompt_token_ids, sampling.stop_strings)
@@ -269,10 +274,21 @@ class LLMReplica:
             await asyncio.sleep(HEALTH_PERIOD_S)
             if self._group is None:
                 return
-            problems = await asyncio.to_thread(self._group.problems, self.max_heartbeat_age_s)
+            problems = await asyncio.to_thread(self._group.problems, self._watchdog)
             if problems:
-                self._problems = problems
-                self._fail_all("; ".join(problems))
+                self._unhealthy(problems)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        # A background task ending on its own (not cancelled at shutdown) leaves requests unserved.
+        if task.cancelled():
+            return
+        exc = task.exception() or RuntimeError("it returned")
+        if self._group is not None:
+            self._unhealthy([task_died(task.get_name(), exc)])
+
+    def _unhealthy(self, problems: list[Problem]) -> None:
+        self._problems = problems
+        self._fail_all(str(ReplicaUnhealthy(problems)))
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
@@ -280,14 +296,13 @@ class LLMReplica:
 
     async def check_health(self) -> None:
         if self._problems:
-            raise RuntimeError("; ".join(self._problems))
+            raise ReplicaUnhealthy(self._problems)
         if self._group is None:
-            raise RuntimeError("the replica is not running")
-        problems = await asyncio.to_thread(self._group.problems, self.max_heartbeat_age_s)
+            raise ReplicaUnhealthy([Problem("not_running", "the replica is not running")])
+        problems = await asyncio.to_thread(self._group.problems, self._watchdog)
         if problems:
-            self._problems = problems
-            self._fail_all("; ".join(problems))
-            raise RuntimeError("; ".join(problems))
+            self._unhealthy(problems)
+            raise ReplicaUnhealthy(problems)
 
     async def stats(self) -> dict[str, Any]:
         """Rank 0's scheduler stats (every rank takes the same decisions, so they agree)."""

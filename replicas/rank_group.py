@@ -12,6 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tandem.cluster import placement
 from tandem.replicas.channel import ChannelAddress
 from tandem.replicas.rank_worker import RankWorker
+from tandem.replicas.watchdog import Beat, Problem, RankWatchdog
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 
 RankActor: Any = ray.remote(RankWorker)
@@ -84,20 +85,24 @@ class RankGroup:
         first: RuntimeLimits = limits[0]
         return first
 
-    def problems(self, max_beat_age_s: float, timeout_s: float = 5.0) -> list[str]:
-        """Why this group is unhealthy: dead actors, crashed loops or stale heartbeats."""
-        found: list[str] = []
+    def problems(self, watchdog: RankWatchdog, timeout_s: float = 5.0) -> list[Problem]:
+        """Why this group is unhealthy: dead or stopped actors, crashed loops, stuck ranks."""
+        found: list[Problem] = []
         refs = [a.heartbeat.remote() for a in self.actors]
+        # One deadline for all: a stopped rank costs `timeout_s` once, not once per rank after it; and
+        # never longer than the stuck-rank timeout, so a stopped process is found as fast as a stuck one.
+        timeout_s = min(timeout_s, watchdog.stuck_after_s)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
         for rank, ref in enumerate(refs):
-            try:
-                age, error = ray.get(ref, timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                found.append(f"rank {rank} is unreachable: {type(exc).__name__}")
-                continue
-            if error is not None:
-                found.append(f"rank {rank}'s loop crashed: {error.strip().splitlines()[-1]}")
-            elif age > max_beat_age_s:
-                found.append(f"rank {rank}'s heartbeat is {age:.1f}s old")
+            beat: Beat | BaseException = TimeoutError(f"no heartbeat within {timeout_s:g}s")
+            if ref in ready:
+                try:
+                    beat = Beat(*ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    beat = exc
+            problem = watchdog.judge(rank, beat)
+            if problem is not None:
+                found.append(problem)
         return found
 
     def stop(self, graceful_s: float = 5.0) -> None:

@@ -33,6 +33,7 @@ class RankWorker:
         self.channel: RankChannel | None = None
         self.control: dist.ProcessGroup | None = None
         self.beat = time.monotonic()
+        self.busy = False  # requests running or waiting as of the last step (for the watchdog)
         self.error: str | None = None
         self._stop = threading.Event()  # asked to stop (rank 0 relays it to the others)
         self._exit = False  # leave the loop after this step
@@ -91,6 +92,8 @@ class RankWorker:
             dist.broadcast_object_list(box, src=0, group=self.control)
             msgs, stop = box[0], box[1]
         self._exit = stop
+        if msgs:
+            self.busy = True  # work arrived: a step that hangs from here on is a stuck one
         return msgs
 
     def _loop(self) -> None:
@@ -99,6 +102,7 @@ class RankWorker:
             while not self._exit:
                 self.beat = time.monotonic()
                 self.runtime.step(self._receive)
+                self.busy = self.runtime.busy
                 if self._stats_wanted.is_set():
                     self._stats_wanted.clear()
                     self._stats = dict(self.runtime.scheduler.stats())
@@ -107,9 +111,9 @@ class RankWorker:
             self.error = traceback.format_exc()
 
     # ---- queries -----------------------------------------------------------------------------
-    def heartbeat(self) -> tuple[float, str | None]:
-        """Seconds since the loop last beat, and the loop's crash report if it died."""
-        return time.monotonic() - self.beat, self.error
+    def heartbeat(self) -> tuple[float, str | None, bool]:
+        """Seconds since the loop last beat, the loop's crash report if it died, and whether it has work."""
+        return time.monotonic() - self.beat, self.error, self.busy
 
     def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         self._stats_ready.clear()

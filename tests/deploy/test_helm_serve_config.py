@@ -109,6 +109,11 @@ _SERVE = {
     "max_queued_requests": "maxQueuedRequests",
     "placement_strategy": "placementStrategy",
     "cpus_per_rank": "cpusPerRank",
+    "max_request_body_bytes": "maxRequestBodyBytes",
+    "max_choices_per_request": "maxChoicesPerRequest",
+    "prompt_chars_per_token": "promptCharsPerToken",
+    "chat_template": "chatTemplate",
+    "stuck_rank_timeout_s": "stuckRankTimeoutSeconds",
 }
 _ENGINE = {
     "dtype": "dtype",
@@ -195,6 +200,11 @@ def _example_args() -> list[tuple[str, dict[str, Any]]]:
                 "placement_strategy": "PACK",
                 "cpus_per_rank": 2,
                 "accelerator_type": "A100",
+                "max_request_body_bytes": 4 << 20,
+                "max_choices_per_request": 64,
+                "prompt_chars_per_token": 16,
+                "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+                "stuck_rank_timeout_s": 20,
             },
         ),
         ("fixed-replicas", {"model": "Qwen/Qwen3-0.6B", "num_replicas": 2, "tp_size": 1}),

@@ -35,6 +35,8 @@ def app(serve_app_context, tiny_model_dir) -> Iterator[Any]:  # type: ignore[no-
         "device": "cpu",
         "max_ongoing_requests": MAX_ONGOING,
         "max_queued_requests": MAX_QUEUED,
+        # Small, so the fuzzed prompt lists and `n` reach the choices bound (a 400, never a 5xx).
+        "max_choices_per_request": 4,
     }
     with serve_app_context(args, name="tandem-errors") as running:
         yield running

@@ -62,6 +62,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{- define "tandem.apiKeySecret" -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.value }}
+{{- printf "%s-api-key" (include "tandem.fullname" .) }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.modelCacheClaim" -}}
 {{- default (printf "%s-model-cache" (include "tandem.fullname" .)) .Values.modelCache.pvc.existingClaim }}
 {{- end }}
@@ -92,6 +100,13 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
 {{- end }}
 {{- $_ := set $args "placement_strategy" $v.serve.placementStrategy }}
 {{- $_ := set $args "cpus_per_rank" (float64 $v.serve.cpusPerRank) }}
+{{- $_ := set $args "max_request_body_bytes" (int $v.serve.maxRequestBodyBytes) }}
+{{- $_ := set $args "max_choices_per_request" (int $v.serve.maxChoicesPerRequest) }}
+{{- $_ := set $args "prompt_chars_per_token" (int $v.serve.promptCharsPerToken) }}
+{{- $_ := set $args "stuck_rank_timeout_s" (float64 $v.serve.stuckRankTimeoutSeconds) }}
+{{- with $v.serve.chatTemplate }}
+{{- $_ := set $args "chat_template" . }}
+{{- end }}
 {{- with $v.servedModelName }}
 {{- $_ := set $args "served_model_name" . }}
 {{- end }}
@@ -138,6 +153,16 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
     secretKeyRef:
       name: {{ $secret }}
       key: {{ .Values.hfToken.secretKey }}
+{{- end }}
+{{- /* The API keys stay out of the RayService spec (and so out of the Serve config the dashboard shows):
+       the app reads TANDEM_API_KEY where it is built. */}}
+{{- $apiKeySecret := include "tandem.apiKeySecret" . }}
+{{- if $apiKeySecret }}
+- name: TANDEM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $apiKeySecret }}
+      key: {{ .Values.apiKey.secretKey }}
 {{- end }}
 {{- if ne .Values.modelCache.type "none" }}
 - name: HF_HOME
@@ -209,6 +234,9 @@ CPU and memory scale with it unless worker.resources overrides them. Requests eq
 {{- $user := $v.worker.resources | default dict }}
 {{- $gpu := dict "nvidia.com/gpu" $tp }}
 {{- $computed := dict "cpu" (toString (mul $tp $v.worker.cpusPerGpu)) "memory" (printf "%dGi" (mul $tp $v.worker.memoryGiPerGpu)) }}
+{{- with $v.worker.ephemeralStorage }}
+{{- $_ := set $computed "ephemeral-storage" . }}
+{{- end }}
 {{- $limits := merge (deepCopy $gpu) (deepCopy ($user.limits | default dict)) $computed }}
 {{- $requests := merge (deepCopy $gpu) (deepCopy ($user.requests | default dict)) (deepCopy $limits) }}
 {{- $need := addf (mulf $tp $v.serve.cpusPerRank) 1 }}
@@ -217,4 +245,45 @@ CPU and memory scale with it unless worker.resources overrides them. Requests eq
 {{- fail (printf "worker CPU limit (%v) is below what one replica reserves: tensorParallelSize (%d) x serve.cpusPerRank (%v) + 1 for the replica actor = %v; raise worker.cpusPerGpu or worker.resources.limits.cpu" $limits.cpu $tp $v.serve.cpusPerRank $need) }}
 {{- end }}
 {{- toYaml (dict "limits" $limits "requests" $requests) }}
+{{- end }}
+
+{{/* Head container resources: the user's, plus the ephemeral-storage request unless they set one. */}}
+{{- define "tandem.headResources" -}}
+{{- $resources := deepCopy (.Values.head.resources | default dict) }}
+{{- with .Values.head.ephemeralStorage }}
+{{- $requests := $resources.requests | default dict }}
+{{- if not (hasKey $requests "ephemeral-storage") }}
+{{- $_ := set $requests "ephemeral-storage" . }}
+{{- end }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/* Startup, readiness and liveness probes on Serve's /health (port 8000; every node runs a proxy). */}}
+{{- define "tandem.probes" -}}
+{{- $p := .Values.probes }}
+{{- if $p.enabled }}
+startupProbe:
+  httpGet:
+    path: /health
+    port: 8000
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: {{ int $p.startupFailureThreshold }}
+readinessProbe:
+  httpGet:
+    path: /health
+    port: 8000
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: {{ int $p.readinessFailureThreshold }}
+livenessProbe:
+  httpGet:
+    path: /health
+    port: 8000
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: {{ int $p.livenessFailureThreshold }}
+{{- end }}
 {{- end }}
