@@ -54,7 +54,7 @@ class LLM:
 
         self.model_dir = resolve_model_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        options = RuntimeOptions(
+        options = RuntimeOptions.of(
             device=device,
             dtype=dtype,
             page_size=page_size,

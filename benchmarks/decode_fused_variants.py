@@ -17,10 +17,6 @@ from tandem.benchmarks.paged_case import BF16, HEAD_DIM, PAGE, PagedCase
 
 # (splits, block_n, num_warps); 0: the engine's own pick (launch_config)
 VARIANTS = [(0, 0, 4), (0, 32, 4), (0, 64, 4), (1, 64, 4), (2, 64, 4), (4, 64, 4), (8, 64, 4), (16, 32, 4)]
-# Work lists (plan_work) from 16 rows up: (waves of programs per SM beyond a row each, block_n, num_warps,
-# min chunk)
-WORK_VARIANTS = [(4, 64, 4, 128), (8, 64, 4, 128), (16, 64, 4, 128), (32, 64, 4, 128), (16, 64, 4, 256)]
-WORK_VARIANTS += [(16, 32, 4, 128), (16, 64, 8, 128)]
 
 
 def decode_fused_rows(
@@ -29,7 +25,6 @@ def decode_fused_rows(
     """`lens`: each row's tokens (then `ctx` is their maximum), for the uneven rows of an offline run."""
     import flashinfer
 
-    from tandem.engine.attention.decode_work import plan_work, work_capacity
     from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention, launch_config
     from tandem.engine.layers.qk_norm_rope import qk_norm_rope
 
@@ -86,23 +81,15 @@ def decode_fused_rows(
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     row["auto_splits"], row["auto_block_n"] = launch_config(bs, kvh, sms)
-    most = max(bs * 32, *(work_capacity(bs, kvh, sms, v[0]) for v in WORK_VARIANTS))
+    most = bs * 32
     scratch = DecodeScratch.allocate(
         max_bs=bs, max_row_splits=most, num_heads=heads, num_kv_heads=kvh, head_dim=HEAD_DIM, device="cuda"
     )
     fused_out = torch.empty(bs, heads * HEAD_DIM, dtype=BF16, device="cuda")
     row["kv_GB"] = round(case.kv_bytes() / 1e9, 4)
-    plain = [(splits, block_n, warps, None) for splits, block_n, warps in VARIANTS]
-    listed = [(0, b, w, (v, c)) for v, b, w, c in WORK_VARIANTS] if bs >= 16 else []
-    for splits, block_n, warps, work in plain + listed:
+    for splits, block_n, warps in VARIANTS:
         n, block_n = splits or row["auto_splits"], block_n or row["auto_block_n"]
         name = f"fused-s{n}-b{block_n}-w{warps}"
-        plan = None
-        if work is not None:
-            waves, min_chunk = work
-            plan = plan_work(old.cpu(), work_capacity(bs, kvh, sms, waves), block_n, min_chunk).cuda()
-            name = f"work-v{waves}-b{block_n}-w{warps}-c{min_chunk}"
-            row[f"{name}_chunk"] = int(plan[-1])
         if name in row:
             continue
         run = functools.partial(
@@ -126,7 +113,6 @@ def decode_fused_rows(
             block_n=block_n,
             num_warps=warps,
             out=fused_out,
-            work=plan,
         )
         try:
             for c in flat[0]:

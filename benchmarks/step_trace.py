@@ -1,7 +1,7 @@
 """Where the offline run's time goes, step by step, without a profiler: CUDA events around every forward.
 
     python benchmarks/step_trace.py                          # the offline workload, the engine's defaults
-    python benchmarks/step_trace.py --engine '{"fused_decode_max_bs": 256}' --tag fused-256
+    python benchmarks/step_trace.py --engine '{"fused_decode_max_bs": 0}' --tag fused-off
 
 Each forward (one scheduler step) records an event on the engine stream before and after its launches.
 Per step that gives the device's time on the step (from the stream reaching the step to finishing it) and
@@ -26,7 +26,6 @@ from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, measure_ceilings, write_result
 from tandem.benchmarks.offline import pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, ModelCost, write_random_model
-from tandem.engine.attention import decode_work
 from tandem.engine.config import ModelConfig
 
 BUCKETS = (1, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -83,9 +82,6 @@ def main() -> None:
     )
     parser.add_argument("--engine", default="{}", help="JSON of engine options (LLM keyword arguments)")
     parser.add_argument("--tag", default="")
-    parser.add_argument(
-        "--work-waves", type=int, default=0, help="sweeps: override decode_work.WORK_WAVES (0: keep it)"
-    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-input", type=int, default=100)
@@ -94,8 +90,6 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=1024)
     args = parser.parse_args()
     options = json.loads(args.engine)
-    if args.work_waves:  # read when the backend builds its decode graphs' work lists, below
-        decode_work.WORK_WAVES = args.work_waves
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
@@ -129,7 +123,6 @@ def main() -> None:
             "workload": "offline.py defaults",
             "engine": options,
             "switches": switches,
-            "work_waves": decode_work.WORK_WAVES,
         },
         "ceilings": ceilings,
         "elapsed_s": round(elapsed, 4),

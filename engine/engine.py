@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -14,7 +13,8 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
-from tandem.engine.engine_config import FUSED_DECODE_MAX_BS, EngineConfig
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.kernel_plan import EAGER, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
@@ -47,18 +47,17 @@ class Engine:
         self.streams = streams
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
-        # Small batches (up to fused_decode_max_bs rows, at most the default's 32) also take the Triton norms
-        # and activation: measured to win up to 32 rows, not beyond (kernel_choices' norm and act parts).
         kernels = (
             FusedKernels(
                 mc.max_position_embeddings,
-                small_rows=min(config.fused_decode_max_bs, FUSED_DECODE_MAX_BS),
-                pdl_rows=config.pdl_max_bs,
-                gemm_rows=config.small_gemm_max_bs,
+                triton=config.triton,
+                tinygemm=config.small_gemm_max_bs > 0,
             )
             if config.fused_kernels
             else None
         )
+        # Which kernels each captured shape runs: one plan per decode graph and piecewise bucket.
+        self.planner = KernelPlanner.from_config(config)
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         self.kernels = kernels
@@ -70,7 +69,7 @@ class Engine:
         self.piecewise: PiecewiseGraphRunner | None = None
         if config.piecewise_cuda_graph:
             self.piecewise = PiecewiseGraphRunner(
-                self.model, max_tokens=config.piecewise_max_tokens, device=config.device
+                self.model, max_tokens=config.piecewise_max_tokens, device=config.device, planner=self.planner
             )
             self._timed(self.piecewise.capture)
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
@@ -89,7 +88,6 @@ class Engine:
             config.device,
             layers=self.model.layer_specs(),
             dtype=config.dtype,
-            fused_decode_max_bs=config.fused_decode_max_bs,
         )
         self.sampler = Sampler(
             mc.vocab_size,
@@ -110,13 +108,13 @@ class Engine:
                 max_bs=config.cuda_graph_max_bs,
                 max_pages_per_row=-(-mc.max_position_embeddings // config.page_size),
                 device=config.device,
+                planner=self.planner,
             )
             self._timed(self.decode_graphs.capture)
 
     def _timed(self, capture: Callable[[], None]) -> None:
         start = time.perf_counter()
-        with self.kernels.graph_capture() if self.kernels is not None else contextlib.nullcontext():
-            capture()
+        capture()
         self.capture_seconds += time.perf_counter() - start
 
     def _num_pages(self) -> int:
@@ -146,7 +144,7 @@ class Engine:
         if graphs is not None and graph_bs is not None:
             return self.model.compute_logits(graphs.run(batch, graph_bs))
         self.attention.plan(batch)
-        ctx = ForwardContext(self.attention, self.pool)
+        ctx = ForwardContext(self.attention, self.pool, EAGER)
         bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
         if self.piecewise is not None and bucket is not None:
             hidden = self.piecewise.run(batch, ctx, bucket)

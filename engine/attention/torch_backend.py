@@ -112,7 +112,9 @@ class TorchAttentionBackend:
     def fused_decode(self, group_id: int) -> FusedDecode | None:
         return None  # no decode graphs here, so no one-launch decode
 
-    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+    def init_decode_graphs(
+        self, batch_sizes: list[int], max_pages_per_row: int, fused_sizes: list[int]
+    ) -> None:
         raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:

@@ -31,7 +31,7 @@ def run_rank(
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         tp = TPGroup(rank, size, dist.group.WORLD)
     outputs: list[TokenOutput] = []
-    runtime = RankRuntime(Path(model_dir), RuntimeOptions(device="cpu"), tp, outputs.extend)
+    runtime = RankRuntime(Path(model_dir), RuntimeOptions.of(device="cpu"), tp, outputs.extend)
     inbox: list[SchedulerMsg] = list(requests)
 
     def receive(blocking: bool) -> list[SchedulerMsg]:
