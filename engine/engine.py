@@ -20,6 +20,8 @@ from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
+from tandem.engine.quant.fp8_format import Fp8Checkpoint
+from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
@@ -61,7 +63,15 @@ class Engine:
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         self.kernels = kernels
-        load_weights(self.model, config.model_dir, progress)
+        self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
+        fp8 = Fp8Checkpoint.from_dir(config.model_dir)
+        report = load_weights(self.model, config.model_dir, progress, fp8)
+        self.kv_scales = report.kv_scales
+        if fp8 is not None or config.quantization == "fp8":
+            # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.
+            linears = report.fp8_modules if fp8 is not None else self.model.linear_layers()
+            on_gpu = config.device.type == "cuda"
+            self.fp8_layers = quantize_linears(linears, on_gpu=on_gpu, round_trip=fp8 is None)
         self.model.eval()
         self.capture_seconds = 0.0
         # Piecewise graphs need no KV pool, so they are captured first and the pool is sized from

@@ -14,6 +14,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.options import EngineOptions
+from tandem.engine.quant.fp8_format import Fp8Checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The head sizes flashinfer's kernels are built and tested for.
@@ -185,8 +186,10 @@ def resolve_engine_config(
     `facts` (probed from the options' device when None; a test states a device it does not have)."""
     opts = dataclasses.replace(options or EngineOptions(), **overrides)
     kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8_e4m3" else None
-    if opts.quantization is not None or kv_dtype is not None:
-        raise ValueError("quantization and kv_cache_dtype='fp8_e4m3' are not implemented yet")
+    if kv_dtype is not None:
+        raise ValueError("kv_cache_dtype='fp8_e4m3' is not implemented yet")
+    # An FP8 checkpoint is FP8 whatever was asked (an unsupported quantization fails here, by name).
+    quantization = "fp8" if Fp8Checkpoint.from_dir(model_dir) is not None else opts.quantization
     if facts is None:
         dev = resolve_device(opts.device)
         facts = DeviceFacts.probe(dev)
@@ -225,6 +228,6 @@ def resolve_engine_config(
         fused_decode_max_bs=opts.fused_decode_max_bs if graphs and triton else 0,
         pdl_max_bs=min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0,
         small_gemm_max_bs=opts.small_gemm_max_bs if hopper_graphs and facts.tinygemm else 0,
-        quantization=opts.quantization,
+        quantization=quantization,
         kv_cache_dtype=kv_dtype,
     )

@@ -382,6 +382,10 @@ class CausalLM(nn.Module):
         for i in range(len(self.model.layers)):
             self.model.layer(i).self_attn.warm_up_store(pool)
 
+    def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections)."""
+        return [m for m in self.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+
     def layer_specs(self) -> list[LayerSpec]:
         return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]
 
