@@ -32,7 +32,9 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     with torch.no_grad():
         return [
-            hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, len(p) :].tolist()
+            hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False)[
+                0, len(p) :
+            ].tolist()
             for p in prompts
         ]
 
@@ -88,7 +90,9 @@ def test_dynamic_fp8_matches_hf_on_round_tripped_weights(
     ("dim", "start", "size"), [(0, 0, 50), (0, 17, 40), (1, 0, 33), (1, 30, 20), (0, 48, 22)]
 )
 @pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
-def test_a_shard_reads_the_scales_of_its_own_rows_and_columns(layout: str, dim: int, start: int, size: int) -> None:
+def test_a_shard_reads_the_scales_of_its_own_rows_and_columns(
+    layout: str, dim: int, start: int, size: int
+) -> None:
     """What a TP rank reads (rows of a column-parallel layer, columns of a row-parallel one), at offsets
     that cut through scale blocks, equals the same slice of the whole dequantized weight."""
     from tandem.engine.quant.fp8_export import _quantize
@@ -96,7 +100,9 @@ def test_a_shard_reads_the_scales_of_its_own_rows_and_columns(layout: str, dim: 
     weight = torch.randn(70, 50, generator=torch.Generator().manual_seed(1)) * 0.05
     wq, scale = _quantize(weight, layout, (16, 16))  # type: ignore[arg-type]
     whole = dequantized(wq, scale, layout, (16, 16))  # type: ignore[arg-type]
-    source = DequantSource(InMemorySource("w", wq), InMemorySource("s", scale), (16, 16) if layout == "block" else None)
+    source = DequantSource(
+        InMemorySource("w", wq), InMemorySource("s", scale), (16, 16) if layout == "block" else None
+    )
     size = min(size, weight.shape[dim] - start)
     assert torch.equal(source.read(dim, start, size), whole.narrow(dim, start, size))
     assert float((whole - weight).abs().max()) < 0.1 * float(weight.abs().max())  # FP8, not garbage
