@@ -103,10 +103,12 @@ def write_fp8_checkpoint(
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in _PROJECTIONS and module not in ignore:
             wq, scale = _quantize(tensor, layout, block)
             quantized[name], quantized[f"{module}.{suffix}"] = wq, scale.float()
-            reference[name] = dequantized(wq, scale, layout, block).to(reference_dtype)
+            if reference_dir is not None:
+                reference[name] = dequantized(wq, scale, layout, block).to(reference_dtype)
         else:
             quantized[name] = tensor.contiguous()
-            reference[name] = tensor.to(reference_dtype) if tensor.is_floating_point() else tensor
+            if reference_dir is not None:
+                reference[name] = tensor.to(reference_dtype) if tensor.is_floating_point() else tensor
     config = json.loads((src / "config.json").read_text())
     for target, weights, quant in (
         (fp8_dir, quantized, _config(layout, block, list(ignore))),
