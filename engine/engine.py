@@ -20,7 +20,7 @@ from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
-from tandem.engine.quant.fp8_format import Fp8Checkpoint
+from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
@@ -66,7 +66,7 @@ class Engine:
         self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
         fp8 = Fp8Checkpoint.from_dir(config.model_dir)
         report = load_weights(self.model, config.model_dir, progress, fp8)
-        self.kv_scales = report.kv_scales
+        self.kv_dtype = config.kv_cache_dtype or config.dtype
         if fp8 is not None or config.quantization == "fp8":
             # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.
             linears = report.fp8_modules if fp8 is not None else self.model.linear_layers()
@@ -88,8 +88,9 @@ class Engine:
             config.page_size,
             self.model.local_kv_heads,
             mc.head_dim,
-            dtype=config.dtype,
+            dtype=self.kv_dtype,
             device=config.device,
+            scales=layer_kv_scales(report.kv_scales),
         )
         self.model.warm_up_kv_store(self.pool)  # on CUDA: no Triton build waits for the first long prefill
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
@@ -98,6 +99,7 @@ class Engine:
             config.device,
             layers=self.model.layer_specs(),
             dtype=config.dtype,
+            kv_dtype=self.kv_dtype,
         )
         self.sampler = Sampler(
             mc.vocab_size,
@@ -133,7 +135,7 @@ class Engine:
         mc, cfg = self.model_config, self.config
         free, total = torch.cuda.mem_get_info(cfg.device)
         budget = free - (1.0 - cfg.mem_fraction) * total
-        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()  # FP8: twice the pages
         page_bytes = 2 * mc.num_layers * self.model.local_kv_heads * mc.head_dim * elem * cfg.page_size
         if budget < page_bytes * 64:
             raise RuntimeError(

@@ -186,8 +186,6 @@ def resolve_engine_config(
     `facts` (probed from the options' device when None; a test states a device it does not have)."""
     opts = dataclasses.replace(options or EngineOptions(), **overrides)
     kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8_e4m3" else None
-    if kv_dtype is not None:
-        raise ValueError("kv_cache_dtype='fp8_e4m3' is not implemented yet")
     # An FP8 checkpoint is FP8 whatever was asked (an unsupported quantization fails here, by name).
     quantization = "fp8" if Fp8Checkpoint.from_dir(model_dir) is not None else opts.quantization
     if facts is None:

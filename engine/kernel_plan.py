@@ -43,7 +43,8 @@ class KernelPlanner:
     @classmethod
     def from_config(cls, config: EngineConfig) -> KernelPlanner:
         return cls(
-            fused_decode_rows=config.fused_decode_max_bs,
+            # The one launch reads and writes 16-bit caches only: never over an FP8 pool.
+            fused_decode_rows=0 if config.kv_cache_dtype is not None else config.fused_decode_max_bs,
             triton_norm_rows=config.fused_decode_max_bs,
             pdl_rows=config.pdl_max_bs,
             tinygemm_rows=config.small_gemm_max_bs,

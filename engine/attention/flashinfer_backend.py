@@ -85,6 +85,7 @@ class FlashInferBackend:
         *,
         layers: Sequence[LayerSpec],
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         workspace_mb: int = 256,
         prefill_backend: str = "fa2",
         decode_backend: str = "fa2",
@@ -95,6 +96,10 @@ class FlashInferBackend:
         self.page_size = page_size
         self.device = device
         self.dtype = dtype
+        # The pool's element type: the model dtype, or FP8 (flashinfer reads it with per-layer scales; the
+        # Triton store and one-launch decode write and read 16-bit caches only, so FP8 turns them off).
+        self.kv_dtype = kv_dtype or dtype
+        self.fp8_kv = self.kv_dtype == torch.float8_e4m3fn
         self.kernels: dict[int, GroupKernel] = group_kernels(groups, layers)
         # Explicit kernel families rather than flashinfer's "auto", which may route to cuDNN, XQA or
         # fa3 depending on the GPU and the plan: fa2 for both keeps one kernel choice everywhere, and
@@ -193,7 +198,7 @@ class FlashInferBackend:
             window_left=k.window_left,
             logits_soft_cap=k.softcap,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
@@ -211,7 +216,7 @@ class FlashInferBackend:
             logits_soft_cap=k.softcap,
             sm_scale=k.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
@@ -332,7 +337,7 @@ class FlashInferBackend:
         return self._fused.get(group_id)
 
     def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
-        return self._append[group_id].slots
+        return None if self.fp8_kv else self._append[group_id].slots
 
     # ---- running ---------------------------------------------------------------------------------
     def forward(
@@ -348,6 +353,7 @@ class FlashInferBackend:
         gid = pool.layer_group[layer.layer_id]
         a = self._append[gid]
         if not stored:
+            k, v = pool.encode(layer.layer_id, k, v)
             flashinfer.append_paged_kv_cache(
                 k,
                 v,
@@ -359,7 +365,12 @@ class FlashInferBackend:
                 a.last_page_len,
             )
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
-        result = self._active[gid].run(q.contiguous(), pool.paged_view(layer.layer_id), out=heads)
+        wrapper, cache = self._active[gid], pool.paged_view(layer.layer_id)
+        if self.fp8_kv:
+            k_scale, v_scale = pool.scales[layer.layer_id]
+            result = wrapper.run(q.contiguous(), cache, out=heads, k_scale=k_scale, v_scale=v_scale)
+        else:
+            result = wrapper.run(q.contiguous(), cache, out=heads)
         return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]
 
 

@@ -87,14 +87,13 @@ class TorchAttentionBackend:
         group_id = pool.layer_group[layer.layer_id]
         if not stored:
             pool.store(layer.layer_id, self._out_loc[group_id], k, v)
-        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if out is None:
             out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         heads = out.view(q.shape[0], layer.num_heads, layer.head_dim)
         for row in self._rows[group_id]:
             qb = q[row.q_start : row.q_start + row.q_len].transpose(0, 1)  # [H, E, D]
-            kb = k_cache[row.slots].transpose(0, 1)  # [Hkv, L, D]
-            vb = v_cache[row.slots].transpose(0, 1)
+            kb, vb = pool.gather(layer.layer_id, row.slots, q.dtype)
+            kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)  # [Hkv, L, D]
             if layer.num_heads != layer.num_kv_heads:
                 repeat = layer.num_heads // layer.num_kv_heads
                 kb = kb.repeat_interleave(repeat, dim=0)

@@ -167,7 +167,7 @@ class Attention(nn.Module):
         """Build the fused launch's store form for eager batches (their own int64 slots) now, at start:
         otherwise the first eager batch, a long prefill, would wait on a Triton build. It writes one
         token of zeros into the group's dummy page, which no request owns."""
-        if not self.fused_qk:
+        if not self.fused_qk or pool.fp8:  # an FP8 pool is written by the backend's store only
             return
         layer = self.spec.layer_id
         k_cache, v_cache = pool.k[layer], pool.v[layer]

@@ -13,6 +13,7 @@ Two formats (config.json's `quantization_config`):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,17 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale.reshape(-1, 1)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_kv_scales(entries: dict[str, float]) -> dict[int, tuple[float, float]]:
+    """Checkpoint KV-cache scales ("model.layers.3.self_attn.k_scale" or "...k_proj.k_scale") -> layer ->
+    (k scale, v scale); a layer with one of the two keeps 1.0 for the other."""
+    found: dict[int, dict[str, float]] = {}
+    for name, value in entries.items():
+        match = _LAYER.search(name)
+        if match is not None:
+            found.setdefault(int(match.group(1)), {})[name.rsplit(".", 1)[-1]] = value
+    return {layer: (s.get("k_scale", 1.0), s.get("v_scale", 1.0)) for layer, s in found.items()}

@@ -57,7 +57,8 @@ def test_scaled_mm_matches_bf16_on_dequantized_weights(rows: int) -> None:
 def _greedy(model_dir: Path, prompts: list[list[int]], **options: Any) -> tuple[list[Any], int]:
     from tandem import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), device="cuda", num_pages=512, cuda_graph_max_bs=16, **options)
+    options = {"num_pages": 512, **options} if "num_pages" not in options else options
+    llm = LLM(str(model_dir), device="cuda", cuda_graph_max_bs=16, **options)
     fp8_layers = llm.runtime.engine.fp8_layers
     params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -112,3 +113,29 @@ def test_fp8_tp2_matches_tp2_eager(
     expected, _ = _greedy(tmp_path / "fp8", prompts, tp_size=2, **OFF)
     outs, _ = _greedy(tmp_path / "fp8", prompts, tp_size=2)
     assert_same_greedy(expected, outs)
+
+
+def test_fp8_kv_cache_doubles_the_pool_and_graphs_match_eager(
+    gpu_model_dir: Callable[[str], Path], assert_same_greedy: Callable[[list[Any], list[Any]], None]
+) -> None:
+    """kv_cache_dtype="fp8_e4m3": flashinfer reads the FP8 pool (scales 1.0) in decode graphs and piecewise
+    prefill as it does eagerly, and a pool sized from free memory holds about twice the pages."""
+    from tandem import LLM
+
+    model_dir = gpu_model_dir("qwen3")
+    prompts = _prompts()
+    expected, _ = _greedy(model_dir, prompts, kv_cache_dtype="fp8_e4m3", **OFF)
+    outs, _ = _greedy(model_dir, prompts, kv_cache_dtype="fp8_e4m3")
+    assert_same_greedy(expected, outs)
+    pages = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(
+            str(model_dir), device="cuda", kv_cache_dtype=kv, cuda_graph=False, piecewise_cuda_graph=False
+        )
+        pages[kv] = llm.runtime.engine.groups[0].num_pages
+        assert llm.runtime.engine.pool.fp8 == (kv != "auto")
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert 1.9 < pages["fp8_e4m3"] / pages["auto"] < 2.1, pages
