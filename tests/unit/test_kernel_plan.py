@@ -111,3 +111,14 @@ def test_layers_follow_the_plan_on_cpu() -> None:
     plan = KernelPlanner(32, 32, 8, 8).decode(4)
     assert plan.tinygemm and plan.triton_norms
     assert torch.equal(lin(x, plan), lin(x)) and torch.equal(norm(lin(x), plan), norm(lin(x)))
+
+
+def test_fp8_kv_cache_turns_the_one_launch_off_only(tmp_path: Path) -> None:
+    """The one-launch decode reads and writes 16-bit caches: over an FP8 pool every plan leaves it to
+    flashinfer, and keeps the Triton norms, PDL and tinygemm where they were."""
+    config = _config(tmp_path, H200, kv_cache_dtype="fp8_e4m3")
+    planner = KernelPlanner.from_config(config)
+    for bs in decode_batch_sizes(64):
+        plan = planner.decode(bs)
+        assert not plan.fused_decode
+        assert (plan.triton_norms, plan.pdl, plan.tinygemm) == (bs <= 32, bs <= 8, bs <= 8)
