@@ -105,6 +105,10 @@ class KVPool:
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = self.encode(layer, k, v)
+        if self.fp8:  # FP8 bytes through a uint8 view: index_put takes every integer type
+            self.k[layer].view(torch.uint8)[loc] = k.view(torch.uint8)
+            self.v[layer].view(torch.uint8)[loc] = v.view(torch.uint8)
+            return
         self.k[layer][loc] = k
         self.v[layer][loc] = v
 

@@ -352,8 +352,10 @@ class FlashInferBackend:
     ) -> torch.Tensor:
         gid = pool.layer_group[layer.layer_id]
         a = self._append[gid]
-        if not stored:
-            k, v = pool.encode(layer.layer_id, k, v)
+        if not stored and self.fp8_kv:
+            # Scaled to FP8 and stored by slot, through the pool (the same slots the Triton store takes).
+            pool.store(layer.layer_id, a.slots.long(), k, v)
+        elif not stored:
             flashinfer.append_paged_kv_cache(
                 k,
                 v,
