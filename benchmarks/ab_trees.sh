@@ -2,7 +2,8 @@
 # Before/after A/B of two source trees in one device run: offline throughput (benchmarks/offline.py, all-on)
 # and the batch-1 decode step (benchmarks/decode.py --quick, graphs), alternating A B A B so that drift of
 # the host hits both alike. Each tree is imported as `tandem` through its own PYTHONPATH shim.
-#   bash benchmarks/ab_trees.sh decode|offline BEFORE_TREE [AFTER_TREE=.] [OUT=/tmp/ab]
+#   BEFORE_COMMIT=f03d165 AFTER_COMMIT=<hash> bash benchmarks/ab_trees.sh decode|offline BEFORE_TREE [AFTER_TREE=.] [OUT=/tmp/ab]
+# (the commits only label the result files: GPU hosts have no .git)
 # BEFORE_TREE is a plain copy of the other commit, e.g. made on the host that has git:
 #   git archive <commit> | tar -x -C <dir>      (the GPU host needs no git)
 # Writes OUT/<phase>-summary.json: per tree the runs' figures, and after/before ratios of the medians.
@@ -18,11 +19,12 @@ for i in $(seq 1 "$REPEATS"); do
   for side in before after; do
     dest="$OUT/$PHASE-$side-$i"; mkdir -p "$dest"
     tree=$([ "$side" = before ] && echo "$BEFORE" || echo "$AFTER")
+    commit=$([ "$side" = before ] && echo "${BEFORE_COMMIT:-before}" || echo "${AFTER_COMMIT:-after}")
     if [ "$PHASE" = decode ]; then
-      (cd "$tree" && PYTHONPATH=${PATHS[$side]} python3 benchmarks/decode.py --quick --batches 1 --out-dir "$dest") \
+      (cd "$tree" && TANDEM_COMMIT=$commit PYTHONPATH=${PATHS[$side]} python3 benchmarks/decode.py --quick --batches 1 --out-dir "$dest") \
         > "$dest.log" 2>&1 || echo "== $side $i failed: see $dest.log"
     else
-      (cd "$tree" && PYTHONPATH=${PATHS[$side]} python3 benchmarks/offline.py --ablations all-on --out-dir "$dest") \
+      (cd "$tree" && TANDEM_COMMIT=$commit PYTHONPATH=${PATHS[$side]} python3 benchmarks/offline.py --ablations all-on --out-dir "$dest") \
         > "$dest.log" 2>&1 || echo "== $side $i failed: see $dest.log"
     fi
   done
