@@ -72,6 +72,8 @@ class Engine:
             linears = report.fp8_modules if fp8 is not None else self.model.linear_layers()
             on_gpu = config.device.type == "cuda"
             self.fp8_layers = quantize_linears(linears, on_gpu=on_gpu, round_trip=fp8 is None)
+            if on_gpu:  # hand the 16-bit weights' memory back, so the KV pool is sized with it
+                torch.cuda.empty_cache()
         self.model.eval()
         self.capture_seconds = 0.0
         # Piecewise graphs need no KV pool, so they are captured first and the pool is sized from
