@@ -31,7 +31,12 @@ class RequestOutput:
 
 
 class LLM:
-    """Offline generation over one model copy. tp_size > 1 runs rank actors on a local Ray cluster."""
+    """Offline generation over one model copy. tp_size > 1 runs rank actors on a local Ray cluster.
+
+    `engine_options` are the other options of `RuntimeOptions` / `EngineOptions` (scheduler/options.py,
+    engine/options.py), e.g. `quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`, `max_model_len=...`; an
+    unknown name is a TypeError, a bad value a ValueError naming the option.
+    """
 
     def __init__(
         self,
@@ -56,7 +61,7 @@ class LLM:
         self.model_dir = resolve_model_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._token_decoder = TokenDecoder(self.tokenizer)
-        options = RuntimeOptions(
+        options = RuntimeOptions.of(
             device=device,
             dtype=dtype,
             page_size=page_size,

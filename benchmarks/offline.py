@@ -49,7 +49,6 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-fused-kernels": {"fused_kernels": False},
     # The one-launch small-batch decode and Triton norms off, and on for every decode graph.
     "fused-decode-off": {"fused_decode_max_bs": 0},
-    "fused-decode-256": {"fused_decode_max_bs": 256},
     "all-off": {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False, "copy_stream": False},
 }
 

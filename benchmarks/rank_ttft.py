@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # mem_fraction caps the whole device's use: should the first runtime's memory outlive `del` (the
     # caching allocator, CUDA graphs), the second still finds room under its larger cap.
     for overlap, mem_fraction in ((True, 0.3), (False, 0.7)):
-        options = RuntimeOptions(device=args.device, overlap=overlap, mem_fraction=mem_fraction)
+        options = RuntimeOptions.of(device=args.device, overlap=overlap, mem_fraction=mem_fraction)
         emitted: list[float] = []
 
         def emit(outputs: list[TokenOutput], emitted: list[float] = emitted) -> None:

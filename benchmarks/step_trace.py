@@ -1,7 +1,7 @@
 """Where the offline run's time goes, step by step, without a profiler: CUDA events around every forward.
 
     python benchmarks/step_trace.py                          # the offline workload, the engine's defaults
-    python benchmarks/step_trace.py --engine '{"fused_decode_max_bs": 256}' --tag fused-256
+    python benchmarks/step_trace.py --engine '{"fused_decode_max_bs": 0}' --tag fused-off
 
 Each forward (one scheduler step) records an event on the engine stream before and after its launches.
 Per step that gives the device's time on the step (from the stream reaching the step to finishing it) and

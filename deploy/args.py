@@ -11,6 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from tandem.deploy.option_schema import options_model
+from tandem.engine.options import EngineOptions
+from tandem.scheduler.options import RuntimeOptions
+
 TINY_MODEL_NAME = "tandem-tiny"
 """The served name of the demo model, used when `model` is left unset."""
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
@@ -19,104 +23,18 @@ DEFAULT_PROMPT_CHARS_PER_TOKEN = 32
 DEFAULT_STUCK_RANK_TIMEOUT_S = 10.0
 
 
-class EngineArgs(BaseModel):
+# The scheduler's and the engine's user options, generated from their dataclasses (engine/options.py).
+_EngineFields = options_model("EngineArgs", RuntimeOptions, EngineOptions)
+
+
+class EngineArgs(_EngineFields):  # type: ignore[misc,valid-type]  # a generated base
     """Options passed through to the offline `LLM` constructor for every replica."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU.",
-    )
-    page_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="Tokens per KV-cache page; unset picks the attention backend's default.",
-    )
-    chunk_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="Chunked-prefill token budget per step; unset picks the engine's default.",
-    )
-    prefix_cache: bool = Field(
-        default=True, description="Reuse KV pages across requests through the radix cache."
-    )
-    overlap: bool = Field(
-        default=True,
-        description="Run the overlap scheduler (build batch N+1 while batch N runs); False for ablation.",
-    )
-    cuda_graph: bool = Field(
-        default=True, description="Capture CUDA graphs for decode and prefill (GPU only)."
-    )
-    max_running: int | None = Field(
-        default=None,
-        ge=1,
-        description="Most requests in one running batch; unset derives it from the KV pool size.",
-    )
-    seed: int = Field(
-        default=0, ge=0, description="Seed of the sampler's generator, identical on every TP rank."
-    )
-    num_pages: int | None = Field(
-        default=None,
-        ge=1,
-        description="KV-cache pages per replica; unset sizes the pool from mem_fraction (GPU) or to 32768 "
-        "tokens (CPU).",
-    )
-    mem_fraction: float = Field(
-        default=0.85,
-        gt=0.0,
-        lt=1.0,
-        description="Fraction of GPU memory the engine may use for weights, graphs and the KV pool.",
-    )
-    max_model_len: int | None = Field(
-        default=None,
-        ge=1,
-        description="Longest prompt plus output in tokens; unset uses the model's own limit.",
-    )
-
-    # GPU ablation switches (docs/tuning.md); unset keeps the engine's default, which is "on".
-    attention_backend: Literal["auto", "flashinfer", "torch"] | None = Field(
-        default=None, description="Attention kernels: flashinfer on CUDA, or the torch reference."
-    )
-    piecewise_cuda_graph: bool | None = Field(
-        default=None, description="CUDA graphs of the layer pieces between attention calls (prefill)."
-    )
-    copy_stream: bool | None = Field(
-        default=None, description="Copy sampled tokens to the host on a dedicated CUDA stream."
-    )
-    fused_kernels: bool | None = Field(
-        default=None,
-        description="Fused flashinfer and Triton kernels (norms, rope, sampling) on CUDA, not torch ops.",
-    )
-    cuda_graph_max_bs: int | None = Field(
-        default=None, ge=1, description="Largest decode batch captured as a CUDA graph."
-    )
-    piecewise_max_tokens: int | None = Field(
-        default=None, ge=1, description="Largest prefill batch, in tokens, run through piecewise graphs."
-    )
-    fused_decode_max_bs: int | None = Field(
-        default=None,
-        ge=0,
-        description="Largest decode graph whose layers run rope, K/V store and attention as one Triton "
-        "launch (Triton norms up to 32 rows, a per-step work list above); 0 keeps flashinfer's kernels "
-        "throughout.",
-    )
-    pdl_max_bs: int | None = Field(
-        default=None,
-        ge=0,
-        description="Largest CUDA graph whose Triton kernels and small GEMMs use programmatic dependent "
-        "launch (Hopper and later); at most fused_decode_max_bs; 0 turns it off.",
-    )
-    small_gemm_max_bs: int | None = Field(
-        default=None,
-        ge=0,
-        description="Largest CUDA graph whose GEMMs run as flashinfer's tinygemm instead of cuBLAS; "
-        "0: cuBLAS throughout.",
-    )
-
     def to_llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `LLM(model, **kwargs)`: every field that is not None."""
-        return self.model_dump(exclude_none=True)
+        """Keyword arguments for `LLM(model, **kwargs)`: the options the config set; the engine's
+        defaults (the same as this model's) fill in the rest."""
+        kwargs: dict[str, Any] = self.model_dump(exclude_unset=True)
+        return kwargs
 
 
 class AutoscalingArgs(BaseModel):

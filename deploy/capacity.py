@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tandem.deploy.args import AppArgs
-from tandem.scheduler.runtime import MAX_RUNNING_CPU, MAX_RUNNING_GPU, RuntimeOptions
+from tandem.engine.options import EngineOptions
+from tandem.scheduler.runtime import MAX_RUNNING_CPU, MAX_RUNNING_GPU
 
 
 def engine_capacity_bound(args: AppArgs, device: str) -> int:
@@ -12,12 +13,12 @@ def engine_capacity_bound(args: AppArgs, device: str) -> int:
     (the replica then admits what the engine reports)."""
     engine = args.engine
     if engine.max_running is not None:
-        return engine.max_running
+        return int(engine.max_running)
     if device != "cuda":
         return MAX_RUNNING_CPU
     if engine.cuda_graph is False:
         return MAX_RUNNING_GPU
-    graph_max = engine.cuda_graph_max_bs or RuntimeOptions().cuda_graph_max_bs
+    graph_max = int(engine.cuda_graph_max_bs or EngineOptions().cuda_graph_max_bs)
     return min(MAX_RUNNING_GPU, graph_max)
 
 

@@ -11,6 +11,7 @@ import torch
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.graph_buckets import decode_batch_sizes, padded_size
+from tandem.engine.kernel_plan import KernelPlan, KernelPlanner
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.models.common import CausalLM, ForwardContext
 
@@ -38,6 +39,8 @@ class DecodeGraphRunner:
     metadata buffers, which `run` re-plans outside the graph before each replay. Padding rows read
     and write only the KV pool's dummy page. Logits and sampling run after the graph, on the real
     rows only, so graph outputs stay small (hidden states, not vocab-wide logits).
+
+    Each size's `KernelPlan` is resolved once, here, and captured with its graph.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class DecodeGraphRunner:
         max_bs: int,
         max_pages_per_row: int,
         device: torch.device,
+        planner: KernelPlanner | None = None,
     ) -> None:
         if not attention.supports_decode_graphs:
             raise ValueError("decode CUDA graphs need an attention backend with fixed metadata buffers")
@@ -57,6 +61,8 @@ class DecodeGraphRunner:
         self.pool = pool
         self.device = device
         self.sizes = decode_batch_sizes(max_bs)
+        planner = planner or KernelPlanner()
+        self.plans: dict[int, KernelPlan] = {bs: planner.decode(bs) for bs in self.sizes}
         self.max_pages_per_row = max_pages_per_row
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
@@ -65,14 +71,15 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self.attention.init_decode_graphs(self.sizes, self.max_pages_per_row)
+        fused = [bs for bs, plan in self.plans.items() if plan.fused_decode]
+        self.attention.init_decode_graphs(self.sizes, self.max_pages_per_row, fused)
         memory = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
-        ctx = ForwardContext(self.attention, self.pool)
         torch.cuda.synchronize(self.device)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory
             ids, pos = self.input_ids[:bs], self.positions[:bs]
+            ctx = ForwardContext(self.attention, self.pool, self.plans[bs])
             self.attention.plan_decode_graph(None, bs)
             stream.wait_stream(current)
             # Warm up on the capture stream: lazy cuBLAS/NCCL setup and kernel JIT builds must not

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -14,12 +13,15 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
-from tandem.engine.engine_config import FUSED_DECODE_MAX_BS, EngineConfig
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.kernel_plan import EAGER, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM, ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
+from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
+from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
@@ -47,22 +49,31 @@ class Engine:
         self.streams = streams
         self.model_config = ModelConfig.from_dir(config.model_dir)
         mc = self.model_config
-        # Small batches (up to fused_decode_max_bs rows, at most the default's 32) also take the Triton norms
-        # and activation, which win over flashinfer's up to 32 rows, not beyond (benchmarks/kernels/).
         kernels = (
             FusedKernels(
                 mc.max_position_embeddings,
-                small_rows=min(config.fused_decode_max_bs, FUSED_DECODE_MAX_BS),
-                pdl_rows=config.pdl_max_bs,
-                gemm_rows=config.small_gemm_max_bs,
+                triton=config.triton,
+                tinygemm=config.small_gemm_max_bs > 0,
             )
             if config.fused_kernels
             else None
         )
+        # Which kernels each captured shape runs: one plan per decode graph and piecewise bucket.
+        self.planner = KernelPlanner.from_config(config)
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
         self.kernels = kernels
-        load_weights(self.model, config.model_dir, progress)
+        self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
+        fp8 = Fp8Checkpoint.from_dir(config.model_dir)
+        report = load_weights(self.model, config.model_dir, progress, fp8)
+        self.kv_dtype = config.kv_cache_dtype or config.dtype
+        if fp8 is not None or config.quantization == "fp8":
+            # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.
+            linears = report.fp8_modules if fp8 is not None else self.model.linear_layers()
+            on_gpu = config.device.type == "cuda"
+            self.fp8_layers = quantize_linears(linears, on_gpu=on_gpu, round_trip=fp8 is None)
+            if on_gpu:  # hand the 16-bit weights' memory back, so the KV pool is sized with it
+                torch.cuda.empty_cache()
         self.model.eval()
         self.capture_seconds = 0.0
         # Piecewise graphs need no KV pool, so they are captured first and the pool is sized from
@@ -70,7 +81,7 @@ class Engine:
         self.piecewise: PiecewiseGraphRunner | None = None
         if config.piecewise_cuda_graph:
             self.piecewise = PiecewiseGraphRunner(
-                self.model, max_tokens=config.piecewise_max_tokens, device=config.device
+                self.model, max_tokens=config.piecewise_max_tokens, device=config.device, planner=self.planner
             )
             self._timed(self.piecewise.capture)
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
@@ -79,8 +90,9 @@ class Engine:
             config.page_size,
             self.model.local_kv_heads,
             mc.head_dim,
-            dtype=config.dtype,
+            dtype=self.kv_dtype,
             device=config.device,
+            scales=layer_kv_scales(report.kv_scales),
         )
         self.model.warm_up_kv_store(self.pool)  # on CUDA: no Triton build waits for the first long prefill
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
@@ -89,7 +101,7 @@ class Engine:
             config.device,
             layers=self.model.layer_specs(),
             dtype=config.dtype,
-            fused_decode_max_bs=config.fused_decode_max_bs,
+            kv_dtype=self.kv_dtype,
         )
         self.sampler = Sampler(
             mc.vocab_size,
@@ -110,13 +122,13 @@ class Engine:
                 max_bs=config.cuda_graph_max_bs,
                 max_pages_per_row=-(-mc.max_position_embeddings // config.page_size),
                 device=config.device,
+                planner=self.planner,
             )
             self._timed(self.decode_graphs.capture)
 
     def _timed(self, capture: Callable[[], None]) -> None:
         start = time.perf_counter()
-        with self.kernels.graph_capture() if self.kernels is not None else contextlib.nullcontext():
-            capture()
+        capture()
         self.capture_seconds += time.perf_counter() - start
 
     def _num_pages(self) -> int:
@@ -125,7 +137,7 @@ class Engine:
         mc, cfg = self.model_config, self.config
         free, total = torch.cuda.mem_get_info(cfg.device)
         budget = free - (1.0 - cfg.mem_fraction) * total
-        elem = torch.empty((), dtype=cfg.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()  # FP8: twice the pages
         page_bytes = 2 * mc.num_layers * self.model.local_kv_heads * mc.head_dim * elem * cfg.page_size
         if budget < page_bytes * 64:
             raise RuntimeError(
@@ -152,7 +164,7 @@ class Engine:
         if graphs is not None and graph_bs is not None:
             return self.model.compute_logits(graphs.run(batch, graph_bs))
         self.attention.plan(batch)
-        ctx = ForwardContext(self.attention, self.pool)
+        ctx = ForwardContext(self.attention, self.pool, EAGER)
         bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
         if self.piecewise is not None and bucket is not None:
             hidden = self.piecewise.run(batch, ctx, bucket)

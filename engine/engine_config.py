@@ -1,34 +1,67 @@
-"""The engine's resolved configuration: every "auto" is settled here, once."""
+"""The engine's resolved configuration: every "auto" is settled here, once, against the device's facts."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.options import EngineOptions
+from tandem.engine.quant.fp8_format import Fp8Checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_BACKENDS = ("auto", "torch", "flashinfer")
 # The head sizes flashinfer's kernels are built and tested for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
-# Decode graphs of up to this many rows take the one-launch decode by default (see EngineConfig).
-FUSED_DECODE_MAX_BS = 32
-# Graphs of up to this many rows launch their Triton kernels with PDL by default (see EngineConfig).
-PDL_MAX_BS = 8
-# Graphs' GEMMs of up to this many rows run as flashinfer's tinygemm by default (see EngineConfig).
-SMALL_GEMM_MAX_BS = 8
+KV_TOKENS_CPU = 32768  # the CPU pool's size when num_pages is unset: there is no free memory to size from
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the kernel choices depend on beyond the options: probed once from the device
+    (`probe`), or stated by a test to plan for a device it does not have."""
+
+    cuda: bool = False
+    capability: tuple[int, int] = (0, 0)
+    num_sms: int = 0
+    flashinfer: bool = False  # flashinfer imports
+    triton: bool = False  # Triton imports: the fused q/k norm + rope, one-launch decode, small norms
+    tinygemm: bool = False  # flashinfer's tinygemm2 module imports
+
+    @property
+    def hopper(self) -> bool:
+        """PDL's grid-dependency instructions and tinygemm's TMA loads need compute capability 9.0."""
+        return self.capability[0] >= 9
+
+    @classmethod
+    def probe(cls, device: torch.device) -> DeviceFacts:
+        if device.type != "cuda":
+            return cls()
+        props = torch.cuda.get_device_properties(device)
+        flashinfer = _flashinfer_importable()
+        return cls(
+            cuda=True,
+            capability=(props.major, props.minor),
+            num_sms=props.multi_processor_count,
+            flashinfer=flashinfer,
+            triton=importlib.util.find_spec("triton") is not None,
+            tinygemm=flashinfer and _importable("flashinfer.gemm.routergemm"),
+        )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings after resolution. `num_pages` None means: size the pool from free memory.
 
-    The switches are already what runs: `cuda_graph` is False on CPU or with the torch backend, and
-    so on. `switches()` records them with benchmark results.
+    The switches are already what runs: `cuda_graph` is False on CPU or with the torch backend, the
+    row limits are 0 where their kernels cannot run, and so on. `switches()` records them with benchmark
+    results; `plan.KernelPlanner` turns the row limits into one plan per captured shape.
     """
 
     model_dir: Path
@@ -42,18 +75,16 @@ class EngineConfig:
     piecewise_cuda_graph: bool = False  # CUDA graphs of the pieces between attention calls (prefill)
     copy_stream: bool = True  # device-to-host result copies on their own stream
     fused_kernels: bool = False  # flashinfer's fused norm and rope kernels instead of torch ops
+    triton: bool = False  # the Triton kernels (with fused_kernels): fused q/k norm + rope, race sampling
     cuda_graph_max_bs: int = 256  # largest decode batch with a graph; larger ones run eagerly
     piecewise_max_tokens: int = 2048  # largest prefill/extend batch with piecewise graphs
-    # Decode graphs of up to this many rows run each full-attention layer's rope, K/V store, attention
-    # and split merge as one Triton launch (attention/triton_decode.py; above 32 rows over a work list,
-    # attention/decode_work.py), and graphs' norms over up to this many rows, at most 32, run as Triton
-    # kernels (layers/triton_norm.py); 0 turns both off.
+    # Graphs of up to these many rows take the one-launch decode and Triton norms / PDL / tinygemm; 0 where
+    # the device or the build cannot run them (EngineOptions documents each).
     fused_decode_max_bs: int = 0
-    # CUDA graphs of up to this many rows launch their Triton kernels (and tinygemm) with programmatic
-    # dependent launch (layers/pdl.py); 0 turns it off. Never more than `fused_decode_max_bs`.
     pdl_max_bs: int = 0
-    # CUDA graphs' GEMMs of up to this many rows run as flashinfer's tinygemm (FusedKernels.linear).
     small_gemm_max_bs: int = 0
+    quantization: str | None = None  # "fp8": weights quantized at load; FP8 checkpoints set it too
+    kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     max_batch_size: int = 256
 
     def switches(self) -> dict[str, object]:
@@ -69,6 +100,10 @@ class EngineConfig:
             "fused_decode_max_bs": self.fused_decode_max_bs,
             "pdl_max_bs": self.pdl_max_bs,
             "small_gemm_max_bs": self.small_gemm_max_bs,
+            "quantization": self.quantization,
+            "kv_cache_dtype": None
+            if self.kv_cache_dtype is None
+            else str(self.kv_cache_dtype).removeprefix("torch."),
             "page_size": self.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
@@ -93,6 +128,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # an incomplete install fails with anything, not only ImportError
+        return False
+    return True
+
+
 def _flashinfer_importable() -> bool:
     try:
         importlib.import_module("flashinfer")
@@ -102,10 +145,10 @@ def _flashinfer_importable() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device, head_dim: int | None = None) -> str:
+def resolve_backend(
+    name: str, device: torch.device, head_dim: int | None = None, facts: DeviceFacts | None = None
+) -> str:
     """'auto' is flashinfer on CUDA when it imports and serves the head size, else the torch reference."""
-    if name not in _BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(_BACKENDS)}, got {name!r}")
     on_gpu = device.type == "cuda"
     if name == "flashinfer" and not on_gpu:
         raise ValueError("attention_backend='flashinfer' needs a CUDA device")
@@ -116,7 +159,12 @@ def resolve_backend(name: str, device: torch.device, head_dim: int | None = None
         )
     if name == "auto":
         # The tiny test models and the demo model (head_dim 16 and 32) take the torch backend on GPU too.
-        return "flashinfer" if on_gpu and served and _flashinfer_importable() else "torch"
+        if not (on_gpu and served):
+            return "torch"
+        importable = facts.flashinfer if facts is not None else _flashinfer_importable()
+        return "flashinfer" if importable else "torch"
+    if name not in ("torch", "flashinfer"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'flashinfer', got {name!r}")
     return name
 
 
@@ -129,72 +177,55 @@ def _head_dim(model_dir: Path) -> int | None:
 
 def resolve_engine_config(
     model_dir: Path,
+    options: EngineOptions | None = None,
     *,
-    device: str = "auto",
-    dtype: str = "auto",
-    page_size: int | None = None,
-    num_pages: int | None = None,
-    mem_fraction: float = 0.85,
-    attention_backend: str = "auto",
-    cuda_graph: bool = True,
-    piecewise_cuda_graph: bool = True,
-    copy_stream: bool = True,
-    fused_kernels: bool = True,
-    cuda_graph_max_bs: int = 256,
-    piecewise_max_tokens: int = 2048,
-    fused_decode_max_bs: int = FUSED_DECODE_MAX_BS,
-    pdl_max_bs: int = PDL_MAX_BS,
-    small_gemm_max_bs: int = SMALL_GEMM_MAX_BS,
-    kv_tokens_cpu: int = 32768,
+    facts: DeviceFacts | None = None,
+    **overrides: Any,
 ) -> EngineConfig:
-    dev = resolve_device(device)
-    if page_size is not None and page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if not 0.0 < mem_fraction < 1.0:
-        raise ValueError(f"mem_fraction must be in (0, 1), got {mem_fraction}")
-    for name, value in (
-        ("cuda_graph_max_bs", cuda_graph_max_bs),
-        ("piecewise_max_tokens", piecewise_max_tokens),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (
-        ("fused_decode_max_bs", fused_decode_max_bs),
-        ("pdl_max_bs", pdl_max_bs),
-        ("small_gemm_max_bs", small_gemm_max_bs),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    on_gpu = dev.type == "cuda"
-    backend = resolve_backend(attention_backend, dev, _head_dim(model_dir) if on_gpu else None)
+    """`options` (or the defaults) with `overrides` (EngineOptions fields) applied, resolved against
+    `facts` (probed from the options' device when None; a test states a device it does not have)."""
+    opts = dataclasses.replace(options or EngineOptions(), **overrides)
+    kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8_e4m3" else None
+    # An FP8 checkpoint is FP8 whatever was asked (an unsupported quantization fails here, by name).
+    quantization = "fp8" if Fp8Checkpoint.from_dir(model_dir) is not None else opts.quantization
+    if facts is None:
+        dev = resolve_device(opts.device)
+        facts = DeviceFacts.probe(dev)
+    else:
+        dev = torch.device("cuda" if facts.cuda else "cpu")
+    on_gpu = facts.cuda
+    backend = resolve_backend(opts.attention_backend, dev, _head_dim(model_dir) if on_gpu else None, facts)
     # flashinfer and CUDA graphs like 16-token pages; on CPU small pages keep tiny pools fine-grained.
-    resolved_page = page_size or (16 if on_gpu else 4)
+    page = opts.page_size or (16 if on_gpu else 4)
+    num_pages = opts.num_pages
     if num_pages is None and not on_gpu:
-        num_pages = max(1, kv_tokens_cpu // resolved_page)
-    graphs = cuda_graph and on_gpu and backend == "flashinfer"
-    # PDL's grid-dependency instructions and tinygemm's TMA loads need Hopper (compute capability 9.0).
-    hopper = graphs and torch.cuda.get_device_capability(dev)[0] >= 9
-    fused = fused_kernels and backend == "flashinfer"
+        num_pages = max(1, KV_TOKENS_CPU // page)
+    # Decode graphs need an attention backend that plans into fixed buffers (flashinfer).
+    graphs = opts.cuda_graph and on_gpu and backend == "flashinfer"
+    # Same condition as the backend: flashinfer imports and serves the head size.
+    fused = opts.fused_kernels and backend == "flashinfer"
+    triton = fused and facts.triton
+    # PDL and tinygemm live inside CUDA graphs, with the fused kernels, on Hopper and later; the one-launch
+    # decode inside decode graphs, with Triton. PDL only for the Triton kernels' rows.
+    hopper_graphs = graphs and fused and facts.hopper
     return EngineConfig(
         model_dir=model_dir,
         device=dev,
-        dtype=resolve_dtype(dtype, dev),
-        page_size=resolved_page,
+        dtype=resolve_dtype(opts.dtype, dev),
+        page_size=page,
         num_pages=num_pages,
-        mem_fraction=mem_fraction,
+        mem_fraction=opts.mem_fraction,
         attention_backend=backend,
-        # Decode graphs need an attention backend that plans into fixed buffers (flashinfer).
         cuda_graph=graphs,
-        piecewise_cuda_graph=piecewise_cuda_graph and on_gpu,
-        copy_stream=copy_stream and on_gpu,
-        # Same condition as the backend: flashinfer imports and serves the head size.
+        piecewise_cuda_graph=opts.piecewise_cuda_graph and on_gpu,
+        copy_stream=opts.copy_stream and on_gpu,
         fused_kernels=fused,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        piecewise_max_tokens=piecewise_max_tokens,
-        # The one-launch decode lives inside decode graphs and is one of the fused kernels.
-        fused_decode_max_bs=fused_decode_max_bs if graphs and fused else 0,
-        # Both live inside CUDA graphs, with the fused kernels, on Hopper and later; PDL only for the
-        # Triton kernels' rows.
-        pdl_max_bs=min(pdl_max_bs, fused_decode_max_bs) if hopper and fused else 0,
-        small_gemm_max_bs=small_gemm_max_bs if hopper and fused else 0,
+        triton=triton,
+        cuda_graph_max_bs=opts.cuda_graph_max_bs,
+        piecewise_max_tokens=opts.piecewise_max_tokens,
+        fused_decode_max_bs=opts.fused_decode_max_bs if graphs and triton else 0,
+        pdl_max_bs=min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0,
+        small_gemm_max_bs=opts.small_gemm_max_bs if hopper_graphs and facts.tinygemm else 0,
+        quantization=quantization,
+        kv_cache_dtype=kv_dtype,
     )

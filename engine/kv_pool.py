@@ -41,6 +41,9 @@ class KVPool:
 
     Each group holds one page more than the scheduler hands out: page `num_pages` (`dummy_page`) is
     owned by no request, so CUDA-graph padding rows can read and write it without touching live KV.
+
+    An FP8 pool (`dtype` float8_e4m3fn) stores k / k_scale and v / v_scale per layer (`scales`, from the
+    checkpoint; 1.0 where it has none), saturated to FP8's range; readers multiply the scale back.
     """
 
     def __init__(
@@ -52,8 +55,12 @@ class KVPool:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         self.groups = groups
+        self.dtype = dtype
+        self.fp8 = dtype == torch.float8_e4m3fn
+        self.scales: dict[int, tuple[float, float]] = {}
         self.page_size = page_size
         self.layer_group: dict[int, int] = {}
         self.k: dict[int, torch.Tensor] = {}
@@ -62,6 +69,7 @@ class KVPool:
             slots = (group.num_pages + 1) * page_size
             for layer in group.layers:
                 self.layer_group[layer] = group.group_id
+                self.scales[layer] = (scales or {}).get(layer, (1.0, 1.0))
                 self.k[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
                 self.v[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
 
@@ -74,7 +82,33 @@ class KVPool:
         shape = (-1, self.page_size, k.shape[1], k.shape[2])
         return k.view(shape), v.view(shape)
 
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New K and V as the pool stores them: as they are, or scaled and saturated to FP8."""
+        if not self.fp8:
+            return k, v
+        k_scale, v_scale = self.scales[layer]
+        limit = torch.finfo(self.dtype).max
+        return (
+            (k.float() / k_scale).clamp(-limit, limit).to(self.dtype),
+            (v.float() / v_scale).clamp(-limit, limit).to(self.dtype),
+        )
+
+    def gather(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` in `dtype`, their scales multiplied back (the reference attention's read)."""
+        k, v = self.k[layer][slots], self.v[layer][slots]
+        if not self.fp8:
+            return k, v
+        k_scale, v_scale = self.scales[layer]
+        return (k.float() * k_scale).to(dtype), (v.float() * v_scale).to(dtype)
+
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k, v = self.encode(layer, k, v)
+        if self.fp8:  # FP8 bytes through a uint8 view: index_put takes every integer type
+            self.k[layer].view(torch.uint8)[loc] = k.view(torch.uint8)
+            self.v[layer].view(torch.uint8)[loc] = v.view(torch.uint8)
+            return
         self.k[layer][loc] = k
         self.v[layer][loc] = v
 

@@ -16,6 +16,7 @@ import torch
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.cuda_graph import capturing
 from tandem.engine.graph_buckets import padded_size, token_buckets
+from tandem.engine.kernel_plan import EAGER, KernelPlan, KernelPlanner
 from tandem.engine.models.common import CausalLM, ForwardContext
 
 PieceFn = Callable[[torch.Tensor | None], torch.Tensor | None]
@@ -29,10 +30,18 @@ class PiecewiseGraphRunner:
     them at a fixed place. The residual stream stays inside the pool: only the next piece reads it.
     Rows past the batch's T tokens are padding; every piece op works per token, so they never mix
     with real rows, and attention never sees them.
+
+    Each bucket's `KernelPlan` is resolved once, here; without graphs every bucket runs the eager plan.
     """
 
     def __init__(
-        self, model: CausalLM, *, max_tokens: int, device: torch.device, use_graphs: bool = True
+        self,
+        model: CausalLM,
+        *,
+        max_tokens: int,
+        device: torch.device,
+        use_graphs: bool = True,
+        planner: KernelPlanner | None = None,
     ) -> None:
         body = model.model
         specs = {(s.num_heads, s.num_kv_heads, s.head_dim) for s in model.layer_specs()}
@@ -44,6 +53,10 @@ class PiecewiseGraphRunner:
         self.device = device
         self.use_graphs = use_graphs
         self.buckets = token_buckets(max_tokens)
+        planner = planner or KernelPlanner()
+        self.plans: dict[int, KernelPlan] = {
+            t: planner.piecewise(t) if use_graphs else EAGER for t in self.buckets
+        }
         t = self.buckets[-1]
         dtype = body.embed_tokens.weight.dtype
         hidden = body.embed_tokens.hidden_size
@@ -58,6 +71,7 @@ class PiecewiseGraphRunner:
 
     def _pieces(self, t: int) -> list[PieceFn]:
         body, ids, pos, attn = self.body, self.input_ids[:t], self.positions[:t], self.attn_out[:t]
+        plan = self.plans[t]
 
         def stash(piece: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
             x, q, k, v = piece
@@ -67,18 +81,18 @@ class PiecewiseGraphRunner:
             return x
 
         def first(_: torch.Tensor | None) -> torch.Tensor:
-            return stash(body.first_piece(ids, pos))
+            return stash(body.first_piece(ids, pos, plan))
 
         def middle(i: int) -> PieceFn:
             def piece(x: torch.Tensor | None) -> torch.Tensor:
                 assert x is not None
-                return stash(body.middle_piece(i, pos, x, attn))
+                return stash(body.middle_piece(i, pos, x, attn, plan))
 
             return piece
 
         def last(x: torch.Tensor | None) -> None:
             assert x is not None
-            self.hidden[:t].copy_(body.last_piece(x, attn))
+            self.hidden[:t].copy_(body.last_piece(x, attn, plan))
 
         return [first, *(middle(i) for i in range(1, self.num_layers)), last]
 

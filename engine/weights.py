@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors import safe_open
 
-from tandem.engine.layers.source import SafetensorsSource
+from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.engine.layers.source import SafetensorsSource, TensorSource
 from tandem.engine.models.common import CausalLM
+from tandem.engine.quant.fp8_format import KV_SCALE_SUFFIXES, SCALE_SUFFIXES, DequantSource, Fp8Checkpoint
 
 # Checkpoint entries that carry no weights of ours (recomputed buffers, a tied head's copy).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,38 +32,72 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_sources(files: list[Path]) -> Iterator[SafetensorsSource]:
+@contextlib.contextmanager
+def open_sources(files: list[Path]) -> Iterator[dict[str, SafetensorsSource]]:
+    """Every tensor of the checkpoint by name, lazily: a weight and its scale may sit in different files."""
     with ExitStack() as stack:
+        sources: dict[str, SafetensorsSource] = {}
         for path in files:
             handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield SafetensorsSource(name, handle)
+                sources[name] = SafetensorsSource(name, handle)
+        yield sources
+
+
+@dataclass
+class LoadReport:
+    """What loading found beyond the weights: the modules whose checkpoint weights were FP8 (read
+    dequantized; `quant.fp8_linear` quantizes them again on GPU), and per-layer KV-cache scales."""
+
+    fp8_modules: list[ColumnParallelLinear | RowParallelLinear] = field(default_factory=list)
+    kv_scales: dict[str, float] = field(default_factory=dict)  # "<layer prefix>.k_scale" -> value
 
 
 def load_weights(
-    model: CausalLM, model_dir: Path, progress: Callable[[int, int], None] | None = None
-) -> None:
-    """Fill every parameter of `model`; a missing or mis-shaped tensor raises, naming it."""
+    model: CausalLM,
+    model_dir: Path,
+    progress: Callable[[int, int], None] | None = None,
+    fp8: Fp8Checkpoint | None = None,
+) -> LoadReport:
+    """Fill every parameter of `model`; a missing or mis-shaped tensor raises, naming it. FP8 weights
+    of `fp8` checkpoints are read dequantized to float32 and stored in the parameter's dtype."""
     loaders = model.loaders()
     loaded: set[str] = set()
+    report = LoadReport()
     files = safetensors_files(model_dir)
-    for i, source in enumerate(iter_sources(files)):
-        name = source.name
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        if name not in loaders:
-            raise ValueError(
-                f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "
-                "is config.json the right one for these weights?"
-            )
-        module, shard_id, is_bias = loaders[name]
-        module.load(source, shard_id, is_bias=is_bias)
-        loaded.add(name)
-        if progress is not None:
-            progress(i + 1, len(loaders))
+    with open_sources(files) as sources:
+        for i, (name, plain) in enumerate(sources.items()):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            if name.endswith(KV_SCALE_SUFFIXES):
+                report.kv_scales[name] = float(plain.read().float().reshape(-1)[0])
+                continue
+            if fp8 is not None and name.endswith(SCALE_SUFFIXES):
+                continue  # read with its weight
+            if name not in loaders:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "
+                    "is config.json the right one for these weights?"
+                )
+            module, shard_id, is_bias = loaders[name]
+            source: TensorSource = plain
+            scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
+            if fp8 is not None and scale is not None:
+                if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                    raise ValueError(
+                        f"FP8 tensor {name!r} is not a linear layer's weight; tandem keeps it 16-bit"
+                    )
+                source = DequantSource(plain, scale, fp8.block)
+                if not any(m is module for m in report.fp8_modules):
+                    report.fp8_modules.append(module)
+            module.load(source, shard_id, is_bias=is_bias)
+            loaded.add(name)
+            if progress is not None:
+                progress(i + 1, len(loaders))
     missing = [n for n in loaders if n not in loaded]
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {model_dir} is missing {len(missing)} tensor(s): {shown}")
+    return report

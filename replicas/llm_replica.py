@@ -54,8 +54,7 @@ class LLMReplica:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         self.model = model
         self.tp_size = tp_size
-        self.options = RuntimeOptions(device=device, **(engine or {}))
-        self.options.validate()
+        self.options = RuntimeOptions.of(device=device, **(engine or {}))
         self.placement_strategy = placement_strategy
         self.cpus_per_rank = cpus_per_rank
         self.max_heartbeat_age_s = max_heartbeat_age_s

@@ -25,7 +25,7 @@ class RemoteGroup:
 
     def __init__(self, model_dir: str, tp_size: int, options: RuntimeOptions) -> None:
         ensure_ray()
-        engine = {k: v for k, v in vars(options).items() if k != "device"}
+        engine = {k: v for k, v in options.flat().items() if k != "device"}
         self.replica = LLMReplica(model_dir, tp_size=tp_size, device=options.device, engine=engine)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-llm-loop", daemon=True)

@@ -14,58 +14,16 @@ import torch
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.engine_config import (
-    FUSED_DECODE_MAX_BS,
-    PDL_MAX_BS,
-    SMALL_GEMM_MAX_BS,
-    resolve_engine_config,
-)
+from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
 from tandem.scheduler.messages import TokenOutput
+from tandem.scheduler.options import RuntimeOptions
 from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
 
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    """The public `LLM` options plus a few engine knobs; None means "pick for the device"."""
-
-    device: str = "auto"
-    dtype: str = "auto"
-    page_size: int | None = None
-    chunk_size: int | None = None
-    prefix_cache: bool = True
-    overlap: bool = True
-    cuda_graph: bool = True
-    copy_stream: bool = True
-    max_running: int | None = None
-    seed: int = 0
-    num_pages: int | None = None
-    max_model_len: int | None = None
-    mem_fraction: float = 0.85
-    guard_inflight_pages: bool = False
-    # Engine ablation switches (EngineConfig.switches() records what actually ran).
-    attention_backend: str = "auto"  # "auto" (flashinfer on CUDA), "flashinfer" or "torch"
-    piecewise_cuda_graph: bool = True
-    fused_kernels: bool = True  # flashinfer and Triton kernels on CUDA (off: the torch reference ops)
-    cuda_graph_max_bs: int = 256
-    piecewise_max_tokens: int = 2048
-    fused_decode_max_bs: int = FUSED_DECODE_MAX_BS  # 0: flashinfer's decode at every batch size
-    pdl_max_bs: int = PDL_MAX_BS  # 0: no programmatic dependent launch
-    small_gemm_max_bs: int = SMALL_GEMM_MAX_BS  # 0: cuBLAS for every GEMM
-
-    def validate(self) -> None:
-        names = ("page_size", "chunk_size", "max_running", "num_pages", "max_model_len")
-        for name in (*names, "cuda_graph_max_bs", "piecewise_max_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        for name in ("fused_decode_max_bs", "pdl_max_bs", "small_gemm_max_bs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+__all__ = ["RankRuntime", "RuntimeLimits", "RuntimeOptions"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +54,8 @@ def default_max_running(on_gpu: bool, options: RuntimeOptions, kv: KVManager) ->
     than the KV pool has pages for (each running request holds at least one page of every group)."""
     limit = MAX_RUNNING_CPU
     if on_gpu:
-        limit = min(MAX_RUNNING_GPU, options.cuda_graph_max_bs) if options.cuda_graph else MAX_RUNNING_GPU
+        engine = options.engine
+        limit = min(MAX_RUNNING_GPU, engine.cuda_graph_max_bs) if engine.cuda_graph else MAX_RUNNING_GPU
     return max(1, min([limit, *(g.num_pages for g in kv.groups)]))
 
 
@@ -111,25 +70,7 @@ class RankRuntime:
         emit: Callable[[list[TokenOutput]], None],
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        options.validate()
-        config = resolve_engine_config(
-            model_dir,
-            device=options.device,
-            dtype=options.dtype,
-            page_size=options.page_size,
-            num_pages=options.num_pages,
-            mem_fraction=options.mem_fraction,
-            attention_backend=options.attention_backend,
-            cuda_graph=options.cuda_graph,
-            piecewise_cuda_graph=options.piecewise_cuda_graph,
-            copy_stream=options.copy_stream,
-            fused_kernels=options.fused_kernels,
-            cuda_graph_max_bs=options.cuda_graph_max_bs,
-            piecewise_max_tokens=options.piecewise_max_tokens,
-            fused_decode_max_bs=options.fused_decode_max_bs,
-            pdl_max_bs=options.pdl_max_bs,
-            small_gemm_max_bs=options.small_gemm_max_bs,
-        )
+        config = resolve_engine_config(model_dir, options.engine)
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)
         mc = self.engine.model_config

@@ -44,10 +44,6 @@ class FusedDecode:
     page_size: int
     splits: int
     block_n: int  # tokens per block of a program's walk over its share of the KV
-    # Above EQUAL_SHARES_MAX_BS rows (decode_work.py): int32 [2 * items + 1], rewritten by each plan, and
-    # the smallest chunk; None for equal shares of `splits`.
-    work: torch.Tensor | None = None
-    min_chunk: int = 0
 
 
 class AttentionBackend(Protocol):
@@ -82,13 +78,15 @@ class AttentionBackend(Protocol):
         ...
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:
-        """Where the planned batch is a decode graph small enough for the one-launch decode and this KV
-        group's layers have no window or soft-cap: its buffers, and the layer runs its rope, K/V store
-        and attention in that launch instead of `forward`. None otherwise."""
+        """Where the planned batch is a decode graph whose plan says `fused_decode` and this KV group's
+        layers have no window or soft-cap: its buffers, for the layer's one launch. None otherwise."""
         ...
 
-    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
-        """Allocate fixed metadata buffers for decode graphs of these padded batch sizes."""
+    def init_decode_graphs(
+        self, batch_sizes: list[int], max_pages_per_row: int, fused_sizes: list[int]
+    ) -> None:
+        """Allocate fixed metadata buffers for decode graphs of these padded batch sizes; those in
+        `fused_sizes` (their plans say `fused_decode`) also get the one-launch decode's buffers."""
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
         """Plan a decode batch padded to `graph_bs` rows into the fixed buffers (None: all padding).

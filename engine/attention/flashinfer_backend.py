@@ -18,7 +18,6 @@ import flashinfer
 import torch
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
-from tandem.engine.attention.decode_work import plan_work, work_launch
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
@@ -86,17 +85,21 @@ class FlashInferBackend:
         *,
         layers: Sequence[LayerSpec],
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         workspace_mb: int = 256,
         prefill_backend: str = "fa2",
         decode_backend: str = "fa2",
         decode_tensor_cores: bool = True,
-        fused_decode_max_bs: int = 0,
         **_options: Any,
     ) -> None:
         self.groups = groups
         self.page_size = page_size
         self.device = device
         self.dtype = dtype
+        # The pool's element type: the model dtype, or FP8 (flashinfer reads it with per-layer scales; the
+        # Triton store and one-launch decode write and read 16-bit caches only, so FP8 turns them off).
+        self.kv_dtype = kv_dtype or dtype
+        self.fp8_kv = self.kv_dtype == torch.float8_e4m3fn
         self.kernels: dict[int, GroupKernel] = group_kernels(groups, layers)
         # Explicit kernel families rather than flashinfer's "auto", which may route to cuDNN, XQA or
         # fa3 depending on the GPU and the plan: fa2 for both keeps one kernel choice everywhere, and
@@ -122,9 +125,8 @@ class FlashInferBackend:
         self._graph: dict[int, _GraphBuffers] = {}
         self._active: dict[int, Any] = {}
         self._append: dict[int, _Append] = {}
-        # Decode graphs of up to this many rows run the one-launch decode (triton_decode.py) in the KV
-        # groups it serves; `_fused` holds the planned batch's buffers per such group, or None.
-        self.fused_decode_max_bs = fused_decode_max_bs
+        # The one-launch decode (triton_decode.py) of the graph sizes whose plans take it, in the KV groups
+        # it serves; `_fused` holds the planned batch's buffers per such group, or None.
         # Per served group and graph size, built once: the graphs' buffers never move.
         self._fused_by_size: dict[int, dict[int, FusedDecode]] = {}
         self._fused: dict[int, FusedDecode | None] = {}
@@ -196,7 +198,7 @@ class FlashInferBackend:
             window_left=k.window_left,
             logits_soft_cap=k.softcap,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
@@ -214,12 +216,14 @@ class FlashInferBackend:
             logits_soft_cap=k.softcap,
             sm_scale=k.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
             non_blocking=True,
         )
 
     # ---- decode graphs ---------------------------------------------------------------------------
-    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+    def init_decode_graphs(
+        self, batch_sizes: list[int], max_pages_per_row: int, fused_sizes: list[int]
+    ) -> None:
         max_bs = max(batch_sizes)
         # Every real row lists at most max_pages_per_row pages; each padding row lists one.
         capacity = max_bs * (max_pages_per_row + 1)
@@ -250,13 +254,11 @@ class FlashInferBackend:
                 coords=torch.zeros(2, max_bs, dtype=torch.int32, device=self.device),
                 wrappers=wrappers,
             )
-        self._init_fused_decode(batch_sizes)
+        self._init_fused_decode(fused_sizes)
 
-    def _init_fused_decode(self, batch_sizes: list[int]) -> None:
-        """The one-launch decode's buffers and launch configuration for each KV group it serves (full
-        attention, no soft-cap, a power-of-two head_dim), at graph sizes up to `fused_decode_max_bs`:
-        equal shares of each row up to EQUAL_SHARES_MAX_BS rows, work lists above (decode_work.py)."""
-        sizes = [bs for bs in batch_sizes if bs <= self.fused_decode_max_bs]
+    def _init_fused_decode(self, sizes: list[int]) -> None:
+        """The one-launch decode's buffers and launch configuration (equal shares of each row) for each
+        KV group it serves (full attention, no soft-cap, a power-of-two head_dim) at these graph sizes."""
         served = {
             gid: k
             for gid, k in self.kernels.items()
@@ -264,15 +266,13 @@ class FlashInferBackend:
         }
         if not sizes or not served:
             return
-        try:
-            from tandem.engine.attention.triton_decode import DecodeScratch, launch_config
-        except ImportError:  # no Triton: flashinfer's decode throughout
-            return
+        # Only where the plans chose it, which they do only where Triton imports (EngineConfig.triton).
+        from tandem.engine.attention.triton_decode import DecodeScratch, launch_config
+
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         for gid, k in served.items():
             configs = {bs: launch_config(bs, k.num_kv_heads, sms) for bs in sizes}
-            works = {bs: work_launch(bs, k.num_kv_heads, sms) for bs in sizes}
-            partials = [w.items if w else bs * configs[bs][0] for bs, w in works.items()]
+            partials = [bs * splits for bs, (splits, _) in configs.items()]
             scratch = DecodeScratch.allocate(
                 max_bs=max(sizes),
                 max_row_splits=max(partials),
@@ -284,8 +284,6 @@ class FlashInferBackend:
             bufs = self._graph[gid]
             fused = {}
             for bs, (splits, block_n) in configs.items():
-                work = works[bs]
-                items = 0 if work is None else 2 * work.items + 1
                 fused[bs] = FusedDecode(
                     pages=(bufs.indptr[: bs + 1], bufs.indices),
                     old_lens=bufs.coords[0, :bs],  # the new token's index in its row's listed KV
@@ -293,10 +291,7 @@ class FlashInferBackend:
                     scratch=scratch,
                     page_size=self.page_size,
                     splits=splits,
-                    block_n=work.block_n if work else block_n,
-                    # Each size's own list: a plan rewrites only its graph's.
-                    work=torch.zeros(items, dtype=torch.int32, device=self.device) if work else None,
-                    min_chunk=work.min_chunk if work else 0,
+                    block_n=block_n,
                 )
             self._fused_by_size[gid] = fused
 
@@ -321,16 +316,11 @@ class FlashInferBackend:
             coords = torch.cat((padded.kv_lens - 1, slots))
             fused = self._fused_by_size.get(gid, {}).get(graph_bs)
             parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords]
-            if fused is not None and fused.work is not None:
-                items = (fused.work.shape[0] - 1) // 2
-                parts.append(plan_work(padded.kv_lens - 1, items, fused.block_n, fused.min_chunk))
             host, dev = self._send(parts)
             wrapper = bufs.wrappers[graph_bs]
             # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
             self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
             bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
-            if fused is not None and fused.work is not None:
-                fused.work.copy_(dev[5])
             self._active[gid] = wrapper
             self._append[gid] = _Append(
                 bufs.rows[:graph_bs],
@@ -347,7 +337,7 @@ class FlashInferBackend:
         return self._fused.get(group_id)
 
     def new_kv_slots(self, group_id: int) -> torch.Tensor | None:
-        return self._append[group_id].slots
+        return None if self.fp8_kv else self._append[group_id].slots
 
     # ---- running ---------------------------------------------------------------------------------
     def forward(
@@ -362,7 +352,10 @@ class FlashInferBackend:
     ) -> torch.Tensor:
         gid = pool.layer_group[layer.layer_id]
         a = self._append[gid]
-        if not stored:
+        if not stored and self.fp8_kv:
+            # Scaled to FP8 and stored by slot, through the pool (the same slots the Triton store takes).
+            pool.store(layer.layer_id, a.slots.long(), k, v)
+        elif not stored:
             flashinfer.append_paged_kv_cache(
                 k,
                 v,
@@ -374,7 +367,12 @@ class FlashInferBackend:
                 a.last_page_len,
             )
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
-        result = self._active[gid].run(q.contiguous(), pool.paged_view(layer.layer_id), out=heads)
+        wrapper, cache = self._active[gid], pool.paged_view(layer.layer_id)
+        if self.fp8_kv:
+            k_scale, v_scale = pool.scales[layer.layer_id]
+            result = wrapper.run(q.contiguous(), cache, out=heads, k_scale=k_scale, v_scale=v_scale)
+        else:
+            result = wrapper.run(q.contiguous(), cache, out=heads)
         return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]
 
 

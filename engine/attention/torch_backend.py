@@ -87,14 +87,13 @@ class TorchAttentionBackend:
         group_id = pool.layer_group[layer.layer_id]
         if not stored:
             pool.store(layer.layer_id, self._out_loc[group_id], k, v)
-        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
         if out is None:
             out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
         heads = out.view(q.shape[0], layer.num_heads, layer.head_dim)
         for row in self._rows[group_id]:
             qb = q[row.q_start : row.q_start + row.q_len].transpose(0, 1)  # [H, E, D]
-            kb = k_cache[row.slots].transpose(0, 1)  # [Hkv, L, D]
-            vb = v_cache[row.slots].transpose(0, 1)
+            kb, vb = pool.gather(layer.layer_id, row.slots, q.dtype)
+            kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)  # [Hkv, L, D]
             if layer.num_heads != layer.num_kv_heads:
                 repeat = layer.num_heads // layer.num_kv_heads
                 kb = kb.repeat_interleave(repeat, dim=0)
@@ -112,7 +111,9 @@ class TorchAttentionBackend:
     def fused_decode(self, group_id: int) -> FusedDecode | None:
         return None  # no decode graphs here, so no one-launch decode
 
-    def init_decode_graphs(self, batch_sizes: list[int], max_pages_per_row: int) -> None:
+    def init_decode_graphs(
+        self, batch_sizes: list[int], max_pages_per_row: int, fused_sizes: list[int]
+    ) -> None:
         raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:

@@ -13,9 +13,7 @@ launch (timed against the three in benchmarks/results/kernel-choices-decode-fuse
   of its (row, KV head) merges the splits and sets the ticket back to zero, ready for the next launch or
   CUDA-graph replay.
 
-With a work list (`work=`, decode_work.py; larger graphs) program (KV head, item) takes one chunk of one
-row instead: rows get programs in proportion to their length, and a row's items merge through its ticket
-the same way. Its building blocks are in triton_decode_blocks.py.
+Its building blocks are in triton_decode_blocks.py.
 
 Rows are flashinfer's CSR page lists (the decode graphs' own buffers), plus per row the number of earlier
 tokens and the new token's slot (`FlashInferBackend`'s plan coordinates). No sliding window and no
@@ -34,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.attention.triton_decode_blocks import attend_share, item_epilogue, split_epilogue
+from tandem.engine.attention.triton_decode_blocks import attend_share, split_epilogue
 from tandem.engine.layers.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
@@ -58,8 +56,6 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     part_lse_ptr,
     tickets_ptr,
     out_ptr,
-    work_ptr,  # WORK: int32 [rows of the items | their splits | the chunk]; else never read
-    work_stride,
     stride_qkv,
     stride_table,
     eps,
@@ -76,19 +72,10 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     PDL: tl.constexpr,
-    WORK: tl.constexpr,  # programs (KV head, work item) over a planned list; else (row, KV head, split)
 ):
-    if WORK:
-        h = tl.program_id(0)
-        item = tl.program_id(1)
-        b_listed = tl.load(work_ptr + item)  # -1: an idle item past the plan's list
-        s = tl.load(work_ptr + work_stride + item)
-        chunk = tl.load(work_ptr + 2 * work_stride)
-        b = tl.maximum(b_listed, 0)
-    else:
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.program_id(2)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
     half = tl.arange(0, D // 2)
     # Before the wait (PDL): what was written before the graph began (positions, page lists, lengths) and
     # the rope table, never the q/k/v projection's output.
@@ -99,63 +86,45 @@ def decode_rope_attention_kernel(  # type: ignore[no-untyped-def]  # pointers an
     # This program's block-aligned share of the row's earlier tokens.
     start_page = tl.load(indptr_ptr + b)
     old = tl.load(old_ptr + b)
-    if WORK:
-        # Chunks of `chunk` tokens, as many as the row needs (the plan listed one item for each).
-        used = tl.maximum(tl.cdiv(old, chunk), 1)
-        lo = s * chunk
-        hi = tl.minimum(lo + chunk, old)
-    else:
-        share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
-        lo = s * share
-        hi = tl.minimum(lo + share, old)
+    share = tl.cdiv(tl.cdiv(old, SPLITS), BLOCK_N) * BLOCK_N
+    lo = s * share
+    hi = tl.minimum(lo + share, old)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # An idle item past the plan's list does nothing after the wait; elsewhere `live` is a constant.
-    if WORK:
-        live = b_listed >= 0
-    else:
-        live = True
-    if live:
-        m, acc, total = attend_share(
-            qkv_ptr,
-            qw_ptr,
-            kw_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            indices_ptr,
-            stride_qkv,
-            eps,
-            qk_scale,
-            cos,
-            sin,
-            slot,
-            start_page,
-            lo,
-            hi,
-            b,
-            h,
-            s == 0,
-            HQ,
-            HKV,
-            D,
-            PAGE,
-            GROUP,
-            GROUP_PAD,
-            BLOCK_N,
-            NORM,
-            GEMMA,
-        )
-        if WORK:
-            item_epilogue(
-                m, acc, total, part_o_ptr, part_lse_ptr, tickets_ptr, out_ptr, b, h, item, item - s, used,
-                HQ, HKV, D, GROUP, GROUP_P2, GROUP_PAD,
-            )  # fmt: skip
-        else:
-            split_epilogue(
-                m, acc, total, part_o_ptr, part_lse_ptr, tickets_ptr, out_ptr, b, h, s,
-                HQ, HKV, D, GROUP, GROUP_P2, GROUP_PAD, SPLITS,
-            )  # fmt: skip
+    m, acc, total = attend_share(
+        qkv_ptr,
+        qw_ptr,
+        kw_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        indices_ptr,
+        stride_qkv,
+        eps,
+        qk_scale,
+        cos,
+        sin,
+        slot,
+        start_page,
+        lo,
+        hi,
+        b,
+        h,
+        s == 0,
+        HQ,
+        HKV,
+        D,
+        PAGE,
+        GROUP,
+        GROUP_PAD,
+        BLOCK_N,
+        NORM,
+        GEMMA,
+    )
+    split_epilogue(
+        m, acc, total, part_o_ptr, part_lse_ptr, tickets_ptr, out_ptr, b, h, s,
+        HQ, HKV, D, GROUP, GROUP_P2, GROUP_PAD, SPLITS,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -224,7 +193,6 @@ def decode_rope_attention(
     num_warps: int = 4,
     out: torch.Tensor | None = None,
     pdl: bool = False,
-    work: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row: qkv [B, (H + 2 Hkv) * D] (the merged projection, before norms and rope)
     -> attention output [B, H * D].
@@ -235,11 +203,7 @@ def decode_rope_attention(
 
     `pdl`: a programmatic dependent launch (engine/layers/pdl.py): each program reads the positions, page
     lists and lengths before it waits for the q/k/v projection. (Loading its first block of K/V before the
-    wait too, and each next block one ahead, gained nothing at batch 1 to 4 and lost at 8, so it does not.)
-
-    `work` (int32 [2 * items + 1], from `plan_work`): programs (KV head, item) over a planned list of
-    (row, chunk) items instead of (row, KV head, split), for large batches of uneven rows; `splits` is then
-    unused and the scratch must hold `items` partials per KV head."""
+    wait too, and each next block one ahead, gained nothing at batch 1 to 4 and lost at 8, so it does not.)"""
     d = table.shape[1]
     batch = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -252,13 +216,12 @@ def decode_rope_attention(
     k_cache, v_cache = caches
     indptr, indices = pages
     group_p2 = triton.next_power_of_2(group)
-    items = 0 if work is None else (work.shape[0] - 1) // 2
-    if (items or batch * splits) * num_kv_heads * group_p2 > scratch.part_lse.shape[0]:
+    if batch * splits * num_kv_heads * group_p2 > scratch.part_lse.shape[0]:
         raise ValueError(f"the scratch holds fewer partials than {batch} rows x {splits} splits need")
     if out is None:
         out = torch.empty(batch, num_heads * d, dtype=qkv.dtype, device=qkv.device)
     norm = q_weight is not None
-    grid = (num_kv_heads, items) if items else (batch, num_kv_heads, splits)
+    grid = (batch, num_kv_heads, splits)
     launch: Any = decode_rope_attention_kernel[grid]
     launch(
         qkv,
@@ -276,8 +239,6 @@ def decode_rope_attention(
         scratch.part_lse,
         scratch.tickets,
         out,
-        qkv if work is None else work,  # a placeholder without a work list: never read
-        items,
         qkv.stride(0),
         table.stride(0),
         eps,
@@ -289,11 +250,10 @@ def decode_rope_attention(
         GROUP=group,
         GROUP_P2=group_p2,
         GROUP_PAD=max(MIN_GROUP_ROWS, group_p2),
-        SPLITS=1 if items else splits,
+        SPLITS=splits,
         BLOCK_N=block_n,
         NORM=norm,
         GEMMA=gemma,
-        WORK=bool(items),
         num_warps=num_warps,
         **pdl_launch(pdl),
     )

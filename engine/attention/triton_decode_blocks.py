@@ -135,62 +135,6 @@ def attend_share(  # type: ignore[no-untyped-def]  # pointers, tensors and const
 
 
 @triton.jit
-def item_epilogue(  # type: ignore[no-untyped-def]  # pointers, tensors and constexprs
-    m,
-    acc,
-    total,
-    part_o_ptr,
-    part_lse_ptr,
-    tickets_ptr,
-    out_ptr,
-    b,
-    h,
-    item,
-    first_item,  # the row's items are first_item .. first_item + used - 1
-    used,
-    HQ: tl.constexpr,
-    HKV: tl.constexpr,
-    D: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-):
-    """A work item's end: the output itself where the row has one item, else its partial and a ticket;
-    the row's last ticket merges its items' partials (every item saw at least one token)."""
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    gp = tl.arange(0, GROUP_P2)
-    if used == 1:
-        dst = out_ptr + (b * HQ + h * GROUP + g)[:, None] * D + d[None, :]
-        tl.store(dst, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None])
-    else:
-        keep = g < GROUP_P2
-        part = (item * HKV + h) * GROUP_P2 + g
-        tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc / total[:, None], mask=keep[:, None])
-        tl.store(part_lse_ptr + part, m + tl.log2(total), mask=keep)
-        # Every thread's partial stores come before the ticket (the barrier), the ticket releases them.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + b * HKV + h, 1, sem="acq_rel")
-        if ticket == used - 1:
-            top = tl.full((GROUP_P2,), float("-inf"), tl.float32)
-            weight = tl.zeros((GROUP_P2,), tl.float32)
-            merged = tl.zeros((GROUP_P2, D), tl.float32)
-            for j in range(0, used):
-                src = ((first_item + j) * HKV + h) * GROUP_P2 + gp
-                lse = tl.load(part_lse_ptr + src, cache_modifier=".cg")
-                o = tl.load(part_o_ptr + src[:, None] * D + d[None, :], cache_modifier=".cg")
-                new_top = tl.maximum(top, lse)
-                rescale = tl.exp2(top - new_top)
-                w = tl.exp2(lse - new_top)
-                merged = merged * rescale[:, None] + w[:, None] * o
-                weight = weight * rescale + w
-                top = new_top
-            dst = out_ptr + (b * HQ + h * GROUP + gp)[:, None] * D + d[None, :]
-            tl.store(dst, (merged / weight[:, None]).to(out_ptr.dtype.element_ty), mask=(gp < GROUP)[:, None])
-            tl.atomic_xchg(tickets_ptr + b * HKV + h, 0)
-
-
-@triton.jit
 def split_epilogue(  # type: ignore[no-untyped-def]  # pointers, tensors and constexprs
     m,
     acc,

@@ -15,14 +15,15 @@ Never construct this on CPU: it imports flashinfer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tandem.engine.config import RopeConfig
+from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.sampler import RaceSample
 
 logger = logging.getLogger(__name__)
@@ -40,48 +41,65 @@ SmallAct = Callable[..., torch.Tensor]
 SmallGemm = Callable[..., None]
 
 
-class FusedKernels:
-    """One per model: holds the cos/sin tables, shared by every layer with the same rope."""
+@dataclass(frozen=True)
+class TritonKernels:
+    """tandem's Triton kernels, imported together: Triton is there for all of them or for none."""
 
-    def __init__(
-        self, max_positions: int, small_rows: int = 0, pdl_rows: int = 0, gemm_rows: int = 0
-    ) -> None:
+    qk_norm_rope: QKNormRope
+    race_sample: RaceSample
+    decode_rope_attention: DecodeRopeAttention
+    add_rmsnorm: SmallNorm
+    silu_and_mul: SmallAct
+
+    @classmethod
+    def load(cls) -> TritonKernels:
+        from tandem.engine.attention.triton_decode import decode_rope_attention
+        from tandem.engine.layers.qk_norm_rope import qk_norm_rope
+        from tandem.engine.layers.triton_act import silu_and_mul
+        from tandem.engine.layers.triton_norm import add_rmsnorm
+        from tandem.engine.sampling_race import race_sample
+
+        return cls(qk_norm_rope, race_sample, decode_rope_attention, add_rmsnorm, silu_and_mul)
+
+
+class FusedKernels:
+    """One per model: holds the cos/sin tables, shared by every layer with the same rope.
+
+    `triton` and `tinygemm` say whether those kernels are there (EngineConfig resolved it once from the
+    device's facts); which of them a forward runs is its `KernelPlan`'s to say.
+    """
+
+    def __init__(self, max_positions: int, *, triton: bool = True, tinygemm: bool = False) -> None:
         import flashinfer  # a CUDA-only dependency (extra `gpu`), imported on first construction
 
         self._norm: Any = flashinfer.norm
         self._rope: Any = flashinfer.rope
         self._activation: Any = flashinfer.activation
         self._sampling: Any = flashinfer.sampling
+        self.triton: TritonKernels | None = TritonKernels.load() if triton else None
         # Both per-head q/k norms and the rope in one launch (qk_norm_rope.py), in place of `rmsnorm`
-        # twice and `rope`, with the same float32 math and roundings; None where Triton is missing.
-        self.qk_norm_rope: QKNormRope | None = _triton_qk_norm_rope()
-        # The sampler's race in one pass over the logits (sampling_race.py); None where Triton is missing.
-        self.race_sample: RaceSample | None = _triton_race_sample()
-        # Small decode graphs: norms, rope, K/V store, attention and merge in one launch; None without Triton.
-        self.decode_rope_attention: DecodeRopeAttention | None = _triton_decode_rope_attention()
+        # twice and `rope`, with the same float32 math and roundings.
+        self.qk_norm_rope: QKNormRope | None = self.triton.qk_norm_rope if self.triton else None
+        # The sampler's race in one pass over the logits (sampling_race.py).
+        self.race_sample: RaceSample | None = self.triton.race_sample if self.triton else None
+        # Small decode graphs: norms, rope, K/V store, attention and merge in one launch.
+        self.decode_rope_attention: DecodeRopeAttention | None = (
+            self.triton.decode_rope_attention if self.triton else None
+        )
         self.max_positions = max_positions
-        # Norms over at most `small_rows` rows (small decode batches) run as one Triton program per row
-        # (triton_norm.py) instead of flashinfer's kernel; None where Triton is missing.
-        # Only while CUDA graphs are warmed up and captured (`graph_capture`): eagerly, Triton's host-side
-        # launch costs more than the kernel saves (an eager batch-1 step took more than twice as long).
-        self.small_rows = small_rows
-        self._small_norm: SmallNorm | None = _triton_small_norm() if small_rows > 0 else None
-        self._small_act: SmallAct | None = _triton_small_act() if small_rows > 0 else None
-        # Graphs of at most `pdl_rows` rows launch the Triton kernels and tinygemm with programmatic
-        # dependent launch (pdl.py); at most `gemm_rows` rows, their GEMMs run as flashinfer's tinygemm.
-        self.pdl_rows = pdl_rows
-        self.gemm_rows = gemm_rows
-        self._small_gemm: SmallGemm | None = tinygemm2() if gemm_rows > 0 else None
+        self._small_gemm: SmallGemm | None = tinygemm2() if tinygemm else None
         self._gemm_works: dict[tuple[int, int, int, bool], bool] = {}
-        self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self._in_graphs = False
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._tables: dict[tuple[RopeConfig, int], torch.Tensor] = {}
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
-        """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split)."""
-        if self._small(x):
-            assert self._small_norm is not None
-            return self._small_norm(x, None, weight, eps, gemma=gemma, pdl=self.uses_pdl(x))
+    def rmsnorm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool, plan: KernelPlan = EAGER
+    ) -> torch.Tensor:
+        """x is [N, D] or [N, H, D] with a contiguous last dim (strided rows are fine: the q/k split).
+        Per-head norms ([N, H, D]) take the eager plan: the Triton norm is for [N, D] rows."""
+        if plan.triton_norms:
+            assert self.triton is not None and x.dim() == 2
+            return self.triton.add_rmsnorm(x, None, weight, eps, gemma=gemma, pdl=plan.pdl)
         # PDL is left off: it only shaves launch latency, and graph capture stays the plain kind.
         if not gemma:
             return self._norm.rmsnorm(x, weight, eps, enable_pdl=False)  # type: ignore[no-any-return]
@@ -90,12 +108,19 @@ class FusedKernels:
         return self._norm.gemma_rmsnorm(flat, weight, eps, enable_pdl=False).view(x.shape)  # type: ignore[no-any-return]
 
     def add_rmsnorm(
-        self, delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
+        self,
+        delta: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        gemma: bool,
+        plan: KernelPlan = EAGER,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += delta, then delta = norm(residual), both in place: (normed, residual)."""
-        if self._small(delta):
-            assert self._small_norm is not None
-            normed = self._small_norm(delta, residual, weight, eps, gemma=gemma, pdl=self.uses_pdl(delta))
+        if plan.triton_norms:
+            assert self.triton is not None
+            normed = self.triton.add_rmsnorm(delta, residual, weight, eps, gemma=gemma, pdl=plan.pdl)
             return normed, residual
         if gemma:
             self._norm.gemma_fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
@@ -103,49 +128,41 @@ class FusedKernels:
             self._norm.fused_add_rmsnorm(delta, residual, weight, eps, enable_pdl=False)
         return delta, residual
 
-    def _small(self, x: torch.Tensor) -> bool:
-        return (
-            self._in_graphs
-            and self._small_norm is not None
-            and self._small_act is not None
-            and x.dim() == 2
-            and x.shape[0] <= self.small_rows
-        )
-
-    def uses_pdl(self, x: torch.Tensor) -> bool:
-        """Whether a graph's kernel over x's rows launches with PDL (only the Triton kernels and tinygemm)."""
-        return self._in_graphs and x.shape[0] <= self.pdl_rows
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear; in graphs of at most `gemm_rows` rows, flashinfer's tinygemm where it wins.
+    def tinygemm_fits(self, weight: torch.Tensor) -> bool:
+        """Whether a [N, K] weight is a shape tinygemm serves and wins on: bf16, N a multiple of 16 whose
+        16-feature CTAs make one to two waves over the SMs, K a multiple of 64.
 
         tinygemm runs one 16-feature CTA per SM and streams the weight through TMA; with PDL it starts
-        reading it while the kernel before it still runs, and it needs no split-K reduction. It beat
-        cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs), and
-        lost where they make three or more (q/k/v 384, gate/up 1,792;
-        benchmarks/results/kernel-choices-chain.json).
-        Its shapes: bf16, out features a multiple of 16, in features of 64."""
-        if not self._in_graphs or self._small_gemm is None:  # every eager GEMM: keep this path short
+        reading it while the kernel before it still runs, and it needs no split-K reduction. On an H200
+        it beat cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs),
+        and lost where they make three or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json)."""
+        n, k = weight.shape
+        return (
+            self._small_gemm is not None
+            and weight.dtype == torch.bfloat16
+            and n % 16 == 0
+            and k % 64 == 0
+            and self.num_sms <= n // 16 <= 2 * self.num_sms
+            and weight.is_contiguous()
+        )
+
+    def tinygemm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan
+    ) -> torch.Tensor:
+        """x weight^T (+ bias) as flashinfer's tinygemm, for a weight that `tinygemm_fits`, under a plan
+        with `tinygemm`; F.linear for a shape whose probe failed."""
+        rows = x.shape[0]
+        if x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.bfloat16:
             return torch.nn.functional.linear(x, weight, bias)
-        rows, n = x.shape[0] if x.dim() == 2 else -1, weight.shape[0]
-        if (
-            not 0 < rows <= self.gemm_rows
-            or not self._sms <= n // 16 <= 2 * self._sms
-            or x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16
-            or n % 16
-            or weight.shape[1] % 64
-            or not (x.is_contiguous() and weight.is_contiguous())
-        ):
-            return torch.nn.functional.linear(x, weight, bias)
-        key = (rows, n, weight.shape[1], bias is not None)
+        key = (rows, weight.shape[0], weight.shape[1], bias is not None)
         works = self._gemm_works.get(key)
         if works is None and not torch.cuda.is_current_stream_capturing():
             works = self._gemm_works[key] = self._probe_gemm(x, weight, bias)
         if not works:  # unprobed during a capture (never in the engine: warm-up runs first) or failed
             return torch.nn.functional.linear(x, weight, bias)
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        self._small_gemm(x, weight, out, bias, use_pdl=self.uses_pdl(x))
+        assert self._small_gemm is not None
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        self._small_gemm(x, weight, out, bias, use_pdl=plan.pdl)
         return out
 
     def tinygemm_shapes(self) -> dict[tuple[int, int, int, bool], bool]:
@@ -169,23 +186,14 @@ class FusedKernels:
             return False
         return True
 
-    @contextlib.contextmanager
-    def graph_capture(self) -> Iterator[None]:
-        """Around the warm-up and capture of CUDA graphs: the kernels chosen for graphs only."""
-        self._in_graphs = True
-        try:
-            yield
-        finally:
-            self._in_graphs = False
-
-    def act_and_mul(self, x: torch.Tensor, *, gelu: bool) -> torch.Tensor:
+    def act_and_mul(self, x: torch.Tensor, *, gelu: bool, plan: KernelPlan = EAGER) -> torch.Tensor:
         """act(x[..., :d]) * x[..., d:] for the merged gate/up output, in one kernel (no [T, d] temporaries).
 
         The torch reference rounds act(gate) to bf16 before the product; this rounds once, in float32.
         """
-        if not gelu and self._small(x):
-            assert self._small_act is not None
-            return self._small_act(x, pdl=self.uses_pdl(x))
+        if not gelu and plan.triton_norms:
+            assert self.triton is not None
+            return self.triton.silu_and_mul(x, pdl=plan.pdl)
         act = self._activation.gelu_tanh_and_mul if gelu else self._activation.silu_and_mul
         return act(x, enable_pdl=False)  # type: ignore[no-any-return]
 
@@ -224,39 +232,6 @@ class FusedKernels:
         return q_out.view(q.shape), k_out.view(k.shape)
 
 
-def _triton_qk_norm_rope() -> QKNormRope | None:
-    """The fused q/k norm + rope, or None where Triton is missing (the three flashinfer kernels then)."""
-    try:
-        from tandem.engine.layers.qk_norm_rope import qk_norm_rope
-    except ImportError:
-        return None
-    return qk_norm_rope
-
-
-def _triton_decode_rope_attention() -> DecodeRopeAttention | None:
-    try:
-        from tandem.engine.attention.triton_decode import decode_rope_attention
-    except ImportError:
-        return None
-    return decode_rope_attention
-
-
-def _triton_small_norm() -> SmallNorm | None:
-    try:
-        from tandem.engine.layers.triton_norm import add_rmsnorm
-    except ImportError:
-        return None
-    return add_rmsnorm
-
-
-def _triton_small_act() -> SmallAct | None:
-    try:
-        from tandem.engine.layers.triton_act import silu_and_mul
-    except ImportError:
-        return None
-    return silu_and_mul
-
-
 def tinygemm2() -> SmallGemm | None:
     """flashinfer's reference tinygemm2 kernel, the one benchmarks/kernels/layer_chain.py times: called
     through its module rather than `flashinfer.gemm.tinygemm_bf16`, which on Hopper hands some shapes
@@ -276,11 +251,3 @@ def tinygemm2() -> SmallGemm | None:
             module.tinygemm2_op(x, weight, bias, out, use_pdl)
 
     return run
-
-
-def _triton_race_sample() -> RaceSample | None:
-    try:
-        from tandem.engine.sampling_race import race_sample
-    except ImportError:
-        return None
-    return race_sample

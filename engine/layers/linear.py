@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.distributed import TPGroup
+from tandem.engine.kernel_plan import EAGER, KernelPlan
+from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.source import TensorSource, check_shape
 
-# (x, weight, bias or None) -> x weight^T (+ bias): F.linear, or FusedKernels.linear on CUDA.
+# (x, weight, bias or None) -> x weight^T (+ bias).
 MatMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -57,15 +59,19 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         matmul: MatMul = F.linear,
+        kernels: FusedKernels | None = None,
     ) -> None:
         super().__init__()
         self.matmul = matmul
+        self.kernels = kernels
         self.in_features = in_features
         self.shards = tuple(shards)
         self.offsets = [sum(s.size for s in self.shards[:i]) for i in range(len(self.shards))]
         local = sum(s.size for s in self.shards)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device), False) if bias else None
+        # Whether a plan with `tinygemm` runs this layer's GEMM as tinygemm: decided once, by shape.
+        self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
 
     @property
     def output_sizes(self) -> list[int]:
@@ -81,7 +87,10 @@ class ColumnParallelLinear(nn.Module):
         offset = self.offsets[shard_id]
         target.data[offset : offset + shard.size].copy_(rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
+        if plan.tinygemm and self.tinygemm_fits:
+            assert self.kernels is not None
+            return self.kernels.tinygemm(x, self.weight, self.bias, plan)
         return self.matmul(x, self.weight, self.bias)
 
 
@@ -98,9 +107,11 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         matmul: MatMul = F.linear,
+        kernels: FusedKernels | None = None,
     ) -> None:
         super().__init__()
         self.matmul = matmul
+        self.kernels = kernels
         self.tp = tp
         self.out_features = out_features
         self.in_start, self.in_size = tp.shard(in_features)
@@ -109,6 +120,7 @@ class RowParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         )
+        self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         if is_bias:
@@ -119,6 +131,9 @@ class RowParallelLinear(nn.Module):
         check_shape(source, (self.out_features, self.in_features), "a row-parallel layer")
         self.weight.data.copy_(source.read(1, self.in_start, self.in_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
+        if plan.tinygemm and self.tinygemm_fits:
+            assert self.kernels is not None
+            return self.tp.all_reduce(self.kernels.tinygemm(x, self.weight, bias, plan))
         return self.tp.all_reduce(self.matmul(x, self.weight, bias))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.source import TensorSource, check_shape
 
@@ -42,15 +43,19 @@ class RMSNorm(nn.Module):
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * self._normed(x).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.rmsnorm(x, self.weight, self.eps, gemma=self.gemma)
+            return self.kernels.rmsnorm(x, self.weight, self.eps, gemma=self.gemma, plan=plan)
         return self._reference(x)
 
-    def add(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(
+        self, delta: torch.Tensor, residual: torch.Tensor, plan: KernelPlan = EAGER
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + delta), residual + delta). The fused kernel overwrites both inputs."""
         if self.kernels is not None:
-            return self.kernels.add_rmsnorm(delta, residual, self.weight, self.eps, gemma=self.gemma)
+            return self.kernels.add_rmsnorm(
+                delta, residual, self.weight, self.eps, gemma=self.gemma, plan=plan
+            )
         residual = residual + delta
         return self._reference(residual), residual
 

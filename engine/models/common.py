@@ -12,12 +12,12 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend, FusedDecode, LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.distributed import TPGroup
+from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.linear import (
     ColumnParallelLinear,
-    MatMul,
     OutputShard,
     RowParallelLinear,
     even_shard,
@@ -46,10 +46,12 @@ class Traits:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What a forward needs beyond activations: the planned attention backend and the KV pool."""
+    """What a forward needs beyond activations: the planned attention backend, the KV pool, and the
+    kernel plan of this shape (a decode graph's, or `EAGER`)."""
 
     attention: AttentionBackend
     pool: KVPool
+    plan: KernelPlan = EAGER
 
 
 class Build:
@@ -66,12 +68,10 @@ class Build:
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
-        # FusedKernels.linear only where it may pick tinygemm: F.linear adds no Python call per GEMM.
-        self.matmul: MatMul = kernels.linear if kernels is not None and kernels.gemm_rows > 0 else F.linear
 
     def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(
-            in_features, shards, bias=bias, dtype=self.dtype, device=self.device, matmul=self.matmul
+            in_features, shards, bias=bias, dtype=self.dtype, device=self.device, kernels=self.kernels
         )
 
     def row(self, in_features: int, out_features: int) -> RowParallelLinear:
@@ -83,7 +83,7 @@ class Build:
             bias=False,
             dtype=self.dtype,
             device=self.device,
-            matmul=self.matmul,
+            kernels=self.kernels,
         )
 
     def norm(self, size: int) -> RMSNorm:
@@ -167,7 +167,7 @@ class Attention(nn.Module):
         """Build the fused launch's store form for eager batches (their own int64 slots) now, at start:
         otherwise the first eager batch, a long prefill, would wait on a Triton build. It writes one
         token of zeros into the group's dummy page, which no request owns."""
-        if not self.fused_qk:
+        if not self.fused_qk or pool.fp8:  # an FP8 pool is written by the backend's store only
             return
         layer = self.spec.layer_id
         k_cache, v_cache = pool.k[layer], pool.v[layer]
@@ -179,10 +179,12 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """From the layer's normed input to the attention output [T, H * D], before the o projection."""
         group = ctx.pool.layer_group[self.spec.layer_id]
-        fused = ctx.attention.fused_decode(group) if self.fused_qk else None
+        # The plan picks the route: the one launch (where this layer's KV group is served), else the
+        # q/k/v step (storing K/V itself where it can) and the backend's attention.
+        fused = ctx.attention.fused_decode(group) if ctx.plan.fused_decode and self.fused_qk else None
         if fused is not None:
-            return self._fused_decode(self.qkv_proj(x), positions, ctx, fused)
-        q, k, v = self.qkv(positions, x, ctx)
+            return self._fused_decode(self.qkv_proj(x, ctx.plan), positions, ctx, fused)
+        q, k, v = self.qkv(positions, x, ctx.plan, ctx)
         return ctx.attention.forward(self.spec, q, k, v, ctx.pool, stored=self.stores_kv(ctx))
 
     def _fused_decode(
@@ -211,15 +213,16 @@ class Attention(nn.Module):
             page_size=fused.page_size,
             splits=fused.splits,
             block_n=fused.block_n,
-            pdl=self.kernels.uses_pdl(merged),
-            work=fused.work,
+            pdl=ctx.plan.pdl,
         )
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None) -> QKV:
+    def qkv(
+        self, positions: torch.Tensor, x: torch.Tensor, plan: KernelPlan, ctx: ForwardContext | None = None
+    ) -> QKV:
         """Everything before the attention kernel: projection, per-head norms and rope; with `ctx`,
         also the K/V store where `stores_kv(ctx)` (k then comes back as the layer's K cache)."""
         s = self.spec
-        merged = self.qkv_proj(x)
+        merged = self.qkv_proj(x, plan)
         q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.fused_qk:
@@ -243,13 +246,13 @@ class MLP(nn.Module):
         self.gelu = c.hidden_act.startswith("gelu")
         self.kernels = b.kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        merged = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
+        merged = self.gate_up_proj(x, plan)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.act_and_mul(merged, gelu=self.gelu))  # type: ignore[no-any-return]
+            return self.down_proj(self.kernels.act_and_mul(merged, gelu=self.gelu, plan=plan), plan)  # type: ignore[no-any-return]
         gate, up = merged.chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)  # type: ignore[no-any-return]
+        return self.down_proj(act * up, plan)  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
@@ -266,21 +269,21 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = b.norm(size)
 
     def finish(
-        self, x: torch.Tensor, attn_out: torch.Tensor, next_norm: RMSNorm
+        self, x: torch.Tensor, attn_out: torch.Tensor, next_norm: RMSNorm, plan: KernelPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rest of the layer once attention has run, then the next norm: (residual, normed).
 
         Every residual add is fused with the norm that follows it (`RMSNorm.add`), so `x`, the residual
         stream, may be updated in place; `next_norm` is the next layer's input norm or the final norm.
         """
-        attn = self.self_attn.o_proj(attn_out)
+        attn = self.self_attn.o_proj(attn_out, plan)
         if self.sandwich:
-            h, x = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), x)
-            mlp_out = self.post_feedforward_layernorm(self.mlp(h))
+            h, x = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn, plan), x, plan)
+            mlp_out = self.post_feedforward_layernorm(self.mlp(h, plan), plan)
         else:
-            h, x = self.post_attention_layernorm.add(attn, x)
-            mlp_out = self.mlp(h)
-        h, x = next_norm.add(mlp_out, x)
+            h, x = self.post_attention_layernorm.add(attn, x, plan)
+            mlp_out = self.mlp(h, plan)
+        h, x = next_norm.add(mlp_out, x, plan)
         return x, h
 
 
@@ -311,32 +314,34 @@ class DecoderBody(nn.Module):
     # token bucket and attention runs eagerly between them. They run the same modules in the same order
     # as `forward`, so only attention metadata stays outside every graph. They take no ForwardContext:
     # a captured piece must not bake in one batch's K/V slots, so attention stores K/V there.
-    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Piece:
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: KernelPlan) -> Piece:
         """Embedding, then layer 0 up to its attention: (residual, q, k, v)."""
         x = self.embed(input_ids)
         layer = self.layer(0)
-        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x)))
+        return (x, *layer.self_attn.qkv(positions, layer.input_layernorm(x, plan), plan))
 
-    def middle_piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor) -> Piece:
+    def middle_piece(
+        self, i: int, positions: torch.Tensor, x: torch.Tensor, attn_out: torch.Tensor, plan: KernelPlan
+    ) -> Piece:
         """Finish layer i - 1 from its attention output, then run layer i up to its attention."""
         layer = self.layer(i)
-        x, h = self.layer(i - 1).finish(x, attn_out, layer.input_layernorm)
-        return (x, *layer.self_attn.qkv(positions, h))
+        x, h = self.layer(i - 1).finish(x, attn_out, layer.input_layernorm, plan)
+        return (x, *layer.self_attn.qkv(positions, h, plan))
 
-    def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def last_piece(self, x: torch.Tensor, attn_out: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
         """Finish the last layer, then the final norm."""
-        return self.layer(len(self.layers) - 1).finish(x, attn_out, self.norm)[1]
+        return self.layer(len(self.layers) - 1).finish(x, attn_out, self.norm, plan)[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Eager batches and decode graphs: attention in line (Attention.forward), where the q/k/v step
         may store K/V itself and a small decode graph runs rope, store and attention as one launch."""
         x = self.embed(input_ids)
-        h: torch.Tensor = self.layer(0).input_layernorm(x)
+        h: torch.Tensor = self.layer(0).input_layernorm(x, ctx.plan)
         last = len(self.layers) - 1
         for i in range(last + 1):
             layer = self.layer(i)
             next_norm = self.norm if i == last else self.layer(i + 1).input_layernorm
-            x, h = layer.finish(x, layer.self_attn(positions, h, ctx), next_norm)
+            x, h = layer.finish(x, layer.self_attn(positions, h, ctx), next_norm, ctx.plan)
         return h
 
 
@@ -376,6 +381,10 @@ class CausalLM(nn.Module):
         """Build the fused rope + K/V store launch of every layer that has one (see Attention)."""
         for i in range(len(self.model.layers)):
             self.model.layer(i).self_attn.warm_up_store(pool)
+
+    def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections)."""
+        return [m for m in self.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]

@@ -20,7 +20,7 @@ def test_first_token_steps_with_and_without_overlap() -> None:
             emitted.append(time.perf_counter())
 
         runtime = RankRuntime(
-            default_model_dir(), RuntimeOptions(device="cpu", overlap=overlap), TPGroup(), emit
+            default_model_dir(), RuntimeOptions.of(device="cpu", overlap=overlap), TPGroup(), emit
         )
         row = measure(runtime, emitted, requests=3, prompt_len=8, max_tokens=3)
         assert row["steps_to_first_token"] == steps, (overlap, row)
@@ -34,7 +34,7 @@ def test_profile_names_the_loop_phases_and_their_ops() -> None:
     def emit(outputs: list[TokenOutput]) -> None:
         emitted.append(time.perf_counter())
 
-    runtime = RankRuntime(default_model_dir(), RuntimeOptions(device="cpu", overlap=True), TPGroup(), emit)
+    runtime = RankRuntime(default_model_dir(), RuntimeOptions.of(device="cpu", overlap=True), TPGroup(), emit)
     table = profile_table(runtime, emitted, requests=2, prompt_len=8, max_tokens=2)
     for name in ("tandem.schedule", "tandem.launch", "tandem.process_results", "aten::mm"):
         assert name in table, name

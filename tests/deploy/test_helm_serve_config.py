@@ -145,12 +145,12 @@ def _values_for(helm_kit: Any, args: AppArgs) -> dict[str, Any]:
         if field in given:
             values[key] = given.pop(field)
     values["serve"] = {key: given.pop(field) for field, key in _SERVE.items() if field in given}
+    engine = args.engine.to_llm_kwargs()  # the options the config set
     values["engine"] = {
-        key: value
-        for field, key in _ENGINE.items()
-        if (value := given["engine"].pop(field, None)) is not None
+        key: value for field, key in _ENGINE.items() if (value := engine.pop(field, None)) is not None
     }
-    assert given.pop("engine") == {}
+    assert engine == {}, f"engine options the chart cannot set: {sorted(engine)}"
+    given.pop("engine")
     if "num_replicas" in given:
         values["replicas"] = given.pop("num_replicas")
     if "autoscaling_config" in given:

@@ -24,7 +24,7 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
     assert switches["copy_stream"] is False
     assert switches["dtype"] == "float32" and switches["device"] == "cpu"
     assert set(switches) >= {"cuda_graph_max_bs", "piecewise_max_tokens", "page_size"}
-    # The one-launch decode lives in decode graphs: off wherever they are, whatever was asked.
+    # The one-launch decode lives in decode graphs: off wherever they are off, whatever was asked.
     assert switches["fused_decode_max_bs"] == 0
     assert resolve_engine_config(tmp_path, device="cpu", fused_decode_max_bs=8).fused_decode_max_bs == 0
     # So are PDL and tinygemm, which live in CUDA graphs too.
@@ -41,6 +41,10 @@ def test_cpu_resolves_to_the_reference_path(tmp_path: Path) -> None:
         ({"piecewise_max_tokens": -1}, "piecewise_max_tokens"),
         ({"fused_decode_max_bs": -1}, "fused_decode_max_bs"),
         ({"fused_decode_max_bs": 2.5}, "fused_decode_max_bs"),
+        ({"fused_decode_max_bs": 64}, "fused_decode_max_bs"),  # the work-list sizes are gone
+        ({"dtype": "float64"}, "dtype"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"mem_fraction": 1.0}, "mem_fraction"),
         ({"pdl_max_bs": -1}, "pdl_max_bs"),
         ({"small_gemm_max_bs": True}, "small_gemm_max_bs"),
     ],
@@ -52,15 +56,19 @@ def test_bad_switches_fail_at_the_edge(tmp_path: Path, kwargs: dict[str, object]
 
 def test_runtime_options_validate_graph_sizes() -> None:
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
-        RuntimeOptions(cuda_graph_max_bs=0).validate()
-    RuntimeOptions(attention_backend="torch", piecewise_cuda_graph=False).validate()
+        RuntimeOptions.of(cuda_graph_max_bs=0)
+    RuntimeOptions.of(attention_backend="torch", piecewise_cuda_graph=False)
     with pytest.raises(ValueError, match="fused_decode_max_bs"):
-        RuntimeOptions(fused_decode_max_bs=-1).validate()
-    RuntimeOptions(fused_decode_max_bs=0).validate()
+        RuntimeOptions.of(fused_decode_max_bs=-1)
+    RuntimeOptions.of(fused_decode_max_bs=0)
     for name in ("pdl_max_bs", "small_gemm_max_bs"):
         with pytest.raises(ValueError, match=name):
-            RuntimeOptions(**{name: -1}).validate()  # type: ignore[arg-type]
-        RuntimeOptions(**{name: 0}).validate()  # type: ignore[arg-type]
+            RuntimeOptions.of(**{name: -1})
+        RuntimeOptions.of(**{name: 0})
+    with pytest.raises(ValueError, match="chunk_size"):
+        RuntimeOptions.of(chunk_size=0)
+    with pytest.raises(TypeError, match="work_waves"):
+        RuntimeOptions.of(work_waves=4)
 
 
 def test_flashinfer_is_never_imported_on_the_cpu_path() -> None:

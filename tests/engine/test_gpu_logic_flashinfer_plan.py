@@ -229,7 +229,7 @@ def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap:
     for layer in (0, 1):
         assert torch.equal(pool.k[layer], ref_pool.k[layer]) and torch.equal(pool.v[layer], ref_pool.v[layer])
     if batch.is_decode:  # the same rows padded into a graph-sized batch
-        fi.init_decode_graphs([1, 2, 4, 8], max_pages_per_row=NUM_PAGES)
+        fi.init_decode_graphs([1, 2, 4, 8], max_pages_per_row=NUM_PAGES, fused_sizes=[])
         before = [pool.k[i].clone() for i in (0, 1)]
         fi.plan_decode_graph(batch, 8)
         pad = lambda x: torch.cat([x, torch.zeros(8 - x.shape[0], *x.shape[1:])])  # noqa: E731

@@ -31,7 +31,7 @@ def run_rank(
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
         tp = TPGroup(rank, size, dist.group.WORLD)
     outputs: list[TokenOutput] = []
-    runtime = RankRuntime(Path(model_dir), RuntimeOptions(device="cpu"), tp, outputs.extend)
+    runtime = RankRuntime(Path(model_dir), RuntimeOptions.of(device="cpu"), tp, outputs.extend)
     inbox: list[SchedulerMsg] = list(requests)
 
     def receive(blocking: bool) -> list[SchedulerMsg]:
@@ -67,9 +67,17 @@ def make_requests(vocab: int) -> list[AddRequest]:
     return reqs
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
-def test_tp2_gloo_matches_tp1(family: str, tiny_model_dir) -> None:
-    model_dir = str(tiny_model_dir(family))
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "qwen3-fp8"])
+def test_tp2_gloo_matches_tp1(family: str, tiny_model_dir, tmp_path: Path) -> None:
+    """`qwen3-fp8`: a block-scaled FP8 checkpoint whose 24 x 24 scale blocks straddle the shard
+    boundaries, so each rank must read the scales of exactly its own rows or columns."""
+    if family.endswith("-fp8"):
+        from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+
+        write_fp8_checkpoint(tiny_model_dir("qwen3"), tmp_path / "fp8", layout="block", block=(24, 24))
+        model_dir = str(tmp_path / "fp8")
+    else:
+        model_dir = str(tiny_model_dir(family))
     import json
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

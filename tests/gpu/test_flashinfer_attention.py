@@ -120,7 +120,7 @@ def test_decode_graph_replay_matches_reference(
     before = {layer: setup.pool.k[layer].clone() for layer in range(len(setup.windows))}
     fi = backend_factory("flashinfer")(setup.groups, PAGE, DEVICE, layers=setup.specs, dtype=torch.bfloat16)
     graph_bs, n = 8, setup.batch.batch_size
-    fi.init_decode_graphs([1, 2, 4, graph_bs], max_pages_per_row=NUM_PAGES)
+    fi.init_decode_graphs([1, 2, 4, graph_bs], max_pages_per_row=NUM_PAGES, fused_sizes=[])
     q, k, v = (
         torch.zeros(graph_bs, *t.shape[1:], dtype=t.dtype, device=DEVICE) for t in (setup.q, setup.k, setup.v)
     )

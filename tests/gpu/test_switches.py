@@ -101,20 +101,24 @@ def test_greedy_is_the_same_under_every_switch(
     assert_same_greedy(expected, outs)
 
 
-def test_work_list_decode_graphs_match_eager(
+def test_plans_switch_kernels_by_graph_size_and_match_eager(
     gpu_model_dir: Callable[[str], Path], assert_same_greedy: Callable[[list[Any], list[Any]], None]
 ) -> None:
-    """Decode graphs of more than 32 rows with the one-launch decode plan a work list every step
-    (decode_work.py): 40 sequences of uneven prompts, graphs up to 64 rows, against the all-off run."""
+    """Decode graphs of 1 to 64 rows, whose plans take the one-launch decode up to 32 rows and flashinfer
+    above: the backend built the one-launch buffers for exactly the plans that chose it, and 40 sequences
+    of uneven prompts (batches shrinking through 32 rows) give the all-off run's greedy tokens."""
     model_dir = gpu_model_dir("qwen3")
     batch = prompts(512, n=40, seed=1)
     expected = run(model_dir, batch, **OFF, num_pages=1024)  # room for all 40 at once
-    work_lists = {"num_pages": 1024, "cuda_graph_max_bs": 64, "fused_decode_max_bs": 64}
-    llm = LLM(str(model_dir), **{**BASE, **work_lists})
-    backend = llm.runtime.engine.attention
-    # The backend's per-size buffers: graphs above 32 rows carry a work list, smaller ones equal shares.
-    sizes = {bs: f.work is not None for fused in backend._fused_by_size.values() for bs, f in fused.items()}
-    assert sizes and all(listed == (bs > 32) for bs, listed in sizes.items()), sizes
+    llm = LLM(str(model_dir), **{**BASE, "num_pages": 1024, "cuda_graph_max_bs": 64})
+    engine = llm.runtime.engine
+    assert engine.decode_graphs is not None
+    plans = engine.decode_graphs.plans
+    assert max(plans) == 64 and [bs for bs, p in plans.items() if p.fused_decode] == [
+        bs for bs in plans if bs <= 32
+    ]
+    built = {bs for fused in engine.attention._fused_by_size.values() for bs in fused}
+    assert built == {bs for bs, p in plans.items() if p.fused_decode}
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     llm.shutdown()
     del llm

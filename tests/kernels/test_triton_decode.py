@@ -13,22 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# (heads, kv heads, head_dim, page size, splits, block_n, norm ("", "plain", "gemma"), earlier tokens per row,
-# work: [] for (row, head, split) programs, else [items, min chunk] for plan_work's (head, item) programs)
+# (heads, kv heads, head_dim, page size, splits, block_n, norm ("", "plain", "gemma"), earlier tokens per row)
 CASES = [
-    (8, 2, 32, 4, 4, 16, "", [13, 0, 40], []),
-    (6, 2, 32, 8, 8, 16, "plain", [5, 70], []),
-    (4, 4, 32, 4, 2, 32, "gemma", [63, 9, 17, 1], []),
-    (4, 1, 32, 8, 1, 16, "", [33, 2], []),
-    # Chunks of 32 tokens: rows of 1, 1, 2, 2, 4 and 1 items, three idle items, the longest row first.
-    (8, 2, 32, 4, 1, 16, "plain", [13, 0, 40, 64, 110, 1], [14, 16]),
-    # One item per row (the capacity leaves chunks longer than every row) and GQA groups of 3.
-    (6, 2, 32, 8, 1, 16, "gemma", [5, 70, 33], [4, 16]),
+    (8, 2, 32, 4, 4, 16, "", [13, 0, 40]),
+    (6, 2, 32, 8, 8, 16, "plain", [5, 70]),
+    (4, 4, 32, 4, 2, 32, "gemma", [63, 9, 17, 1]),
+    (4, 1, 32, 8, 1, 16, "", [33, 2]),
+    (6, 2, 32, 8, 1, 16, "gemma", [5, 70, 33]),
 ]
 SCRIPT = """
 import json, sys, torch
 import torch.nn.functional as F
-from tandem.engine.attention.decode_work import plan_work
 from tandem.engine.attention.triton_decode import DecodeScratch, decode_rope_attention
 
 def rms(x, w, gemma):
@@ -40,7 +35,7 @@ def rope(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
 
 results = []
-for h, kvh, d, page, splits, block_n, norm, old, work in json.loads(sys.argv[1]):
+for h, kvh, d, page, splits, block_n, norm, old in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(h * 100 + splits)
     rows = len(old)
     per_row = [c // page + 1 for c in old]  # earlier tokens plus the new one
@@ -61,9 +56,8 @@ for h, kvh, d, page, splits, block_n, norm, old, work in json.loads(sys.argv[1])
     qkv = torch.randn(rows, (h + 2 * kvh) * d, generator=g)
     qw = torch.randn(d, generator=g) if norm else None
     kw = torch.randn(d, generator=g) if norm else None
-    plan = plan_work(torch.tensor(old, dtype=torch.int32), work[0], block_n, work[1]) if work else None
     scratch = DecodeScratch.allocate(
-        max_bs=rows, max_row_splits=work[0] if work else rows * splits, num_heads=h, num_kv_heads=kvh,
+        max_bs=rows, max_row_splits=rows * splits, num_heads=h, num_kv_heads=kvh,
         head_dim=d, device="cpu",
     )
     before_k, before_v = k_cache.clone(), v_cache.clone()
@@ -73,7 +67,7 @@ for h, kvh, d, page, splits, block_n, norm, old, work in json.loads(sys.argv[1])
             qkv, positions, qw, kw, table, (k_cache, v_cache), (indptr, indices),
             torch.tensor(old, dtype=torch.int32), slots, scratch, num_heads=h, num_kv_heads=kvh,
             eps=1e-6, gemma=norm == "gemma", scale=scale,
-            page_size=page, splits=splits, block_n=block_n, work=plan,
+            page_size=page, splits=splits, block_n=block_n,
         )
         for _ in range(2)
     ]

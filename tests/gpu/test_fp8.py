@@ -1,0 +1,141 @@
+"""FP8 on the GPU: the `_scaled_mm` GEMM with per-token activation scales against bf16 on the same
+dequantized weights, inside a CUDA graph; an FP8 checkpoint and dynamic FP8 run with every switch on
+(decode and piecewise graphs, Triton kernels) and give the greedy tokens of the same FP8 model run
+eagerly; TP=2 (two GPUs) shards the scales with the weights."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GREEDY_TOKENS = 32
+OFF: dict[str, Any] = {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False}
+
+
+def _needs_fp8() -> None:
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("rowwise-scaled FP8 GEMMs need compute capability 9.0")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 200])
+def test_scaled_mm_matches_bf16_on_dequantized_weights(rows: int) -> None:
+    from tandem.engine.quant.fp8_format import dequantize, quantize_per_channel
+    from tandem.engine.quant.fp8_linear import Fp8MatMul
+
+    _needs_fp8()
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    weight = torch.randn(1024, 4096, device="cuda", generator=g).bfloat16() * 0.02
+    wq, scale = quantize_per_channel(weight)
+    x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+    mm = Fp8MatMul(scale)
+    got = mm(x, wq, None)
+    want = x.float() @ dequantize(wq, scale).T
+    rel = float((got.float() - want).norm() / want.norm())
+    assert got.dtype == torch.bfloat16 and rel < 0.05, rel  # per-token FP8 activations: a few % at most
+    static_x, graph = x.clone(), torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mm(static_x, wq, None)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = mm(static_x, wq, None)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
+def _greedy(model_dir: Path, prompts: list[list[int]], **options: Any) -> tuple[list[Any], int]:
+    from tandem import LLM, SamplingParams
+
+    options = {"num_pages": 512, **options} if "num_pages" not in options else options
+    llm = LLM(str(model_dir), device="cuda", cuda_graph_max_bs=16, **options)
+    fp8_layers = llm.runtime.engine.fp8_layers
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outs, fp8_layers
+
+
+def _prompts(n: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(3, 500, (int(m),), generator=g).tolist()
+        for m in torch.randint(5, 300, (n,), generator=g)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "dynamic"])
+def test_fp8_graphs_match_fp8_eager(
+    layout: str,
+    gpu_model_dir: Callable[[str], Path],
+    tmp_path: Path,
+    assert_same_greedy: Callable[[list[Any], list[Any]], None],
+) -> None:
+    from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+
+    _needs_fp8()
+    model_dir, extra = gpu_model_dir("qwen3"), {"quantization": "fp8"}
+    if layout != "dynamic":
+        write_fp8_checkpoint(model_dir, tmp_path / "fp8", layout=layout, block=(128, 128))  # type: ignore[arg-type]
+        model_dir, extra = tmp_path / "fp8", {}
+    prompts = _prompts()
+    expected, eager_layers = _greedy(model_dir, prompts, **OFF, **extra)
+    outs, layers = _greedy(model_dir, prompts, **extra)
+    assert layers == eager_layers == 4 * 2  # qkv, o, gate/up and down in both layers
+    assert all(len(o.token_ids) == GREEDY_TOKENS for o in outs)
+    assert_same_greedy(expected, outs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fp8_tp2_matches_tp2_eager(
+    gpu_model_dir: Callable[[str], Path],
+    tmp_path: Path,
+    assert_same_greedy: Callable[[list[Any], list[Any]], None],
+) -> None:
+    from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+
+    _needs_fp8()
+    write_fp8_checkpoint(gpu_model_dir("qwen3"), tmp_path / "fp8", layout="block")
+    prompts = _prompts()
+    expected, _ = _greedy(tmp_path / "fp8", prompts, tp_size=2, **OFF)
+    outs, _ = _greedy(tmp_path / "fp8", prompts, tp_size=2)
+    assert_same_greedy(expected, outs)
+
+
+def test_fp8_kv_cache_doubles_the_pool_and_graphs_match_eager(
+    gpu_model_dir: Callable[[str], Path], assert_same_greedy: Callable[[list[Any], list[Any]], None]
+) -> None:
+    """kv_cache_dtype="fp8_e4m3": flashinfer reads the FP8 pool (scales 1.0) in decode graphs and piecewise
+    prefill as it does eagerly, and a pool sized from free memory holds about twice the pages."""
+    from tandem import LLM
+
+    model_dir = gpu_model_dir("qwen3")
+    prompts = _prompts()
+    expected, _ = _greedy(model_dir, prompts, kv_cache_dtype="fp8_e4m3", **OFF)
+    outs, _ = _greedy(model_dir, prompts, kv_cache_dtype="fp8_e4m3")
+    assert_same_greedy(expected, outs)
+    pages = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(
+            str(model_dir), device="cuda", kv_cache_dtype=kv, cuda_graph=False, piecewise_cuda_graph=False
+        )
+        pages[kv] = llm.runtime.engine.groups[0].num_pages
+        assert llm.runtime.engine.pool.fp8 == (kv != "auto")
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert 1.9 < pages["fp8_e4m3"] / pages["auto"] < 2.1, pages
