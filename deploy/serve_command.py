@@ -95,10 +95,11 @@ def run_serve(args: argparse.Namespace) -> int:
     plan = plan_from_cli(args)
     processes = ProcessTree()
     started_ray = False
-    # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below).
-    signal.signal(signal.SIGTERM, raise_terminate)
     try:
         started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
+        # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
+        # after ray.init, which installs a SIGTERM handler of its own in the driver.
+        signal.signal(signal.SIGTERM, raise_terminate)
         serve.start(http_options={"host": plan.host, "port": plan.port})
         serve._run(build_app(plan.app_args), _blocking=False, name=plan.name, route_prefix=plan.route_prefix)
         if not wait_until_running(plan.name, plan.app_args.resolved_served_model_name(), sys.stderr):

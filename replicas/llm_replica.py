@@ -30,6 +30,7 @@ from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams, to_spec
 
 HEALTH_PERIOD_S = 1.0
+ABORT_SEND_TIMEOUT_S = 1.0
 # A structured-output constraint that takes longer to compile is refused (a 400); its compile runs on.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
@@ -227,8 +228,9 @@ class LLMReplica:
             return
         if not stream.scheduler_done and self._channel is not None:
             stream.scheduler_done = True
+            # Bounded: with rank 0 gone a zmq send waits for a peer; the health loop handles that case.
             with contextlib.suppress(Exception):
-                await self._channel.send(AbortRequest(stream.rid))
+                await asyncio.wait_for(self._channel.send(AbortRequest(stream.rid)), ABORT_SEND_TIMEOUT_S)
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None

@@ -76,10 +76,13 @@ class RequestStream:
         self._notify()
 
     def fail(self, reason: str) -> None:
+        """End the stream with an error (a rank died, the replica stops): the ranks get no abort for it,
+        since they are gone or going, and a send to them could wait for a peer that never returns."""
         if self.finished:
             return
         self._slot.finish_reason, self._slot.error = "error", reason
         self.finished = True
+        self.scheduler_done = True
         self._notify()
 
     def _notify(self) -> None:
