@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
-import schemathesis.core.jsonschema.patterns  # noqa: F401  # compiled here, not deep in a fixture's stack
+import schemathesis.core.jsonschema.patterns  # compiled here, not deep in a fixture's stack
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
