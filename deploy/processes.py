@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 
 import psutil
 
@@ -76,3 +77,26 @@ def _running(process: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
     return False
+
+
+def stop_processes_naming(marker: str, settle_s: float = 3.0) -> list[str]:
+    """Kill every process whose command line mentions `marker` (a directory only this server uses),
+    until none has shown up for a second or `settle_s` has passed; describe what was killed."""
+    killed: list[str] = []
+    deadline = time.monotonic() + settle_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < 1.0:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if any(marker in part for part in process.info["cmdline"] or ()):
+                    found.append(process)
+        for process in found:
+            with contextlib.suppress(psutil.Error):
+                killed.append(f"pid {process.pid} ({_describe(process)})")
+                process.kill()
+        if found:
+            psutil.wait_procs(found, timeout=1.0)
+            quiet_since = time.monotonic()
+        time.sleep(0.1)
+    return killed

@@ -22,7 +22,7 @@ from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.args import AppArgs
 from tandem.deploy.cli import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.ingress_mode import ray_environment, resolve_ingress
-from tandem.deploy.processes import ProcessTree, port_holder
+from tandem.deploy.processes import ProcessTree, port_holder, stop_processes_naming
 from tandem.deploy.shutdown import DEFAULT_DRAIN_GRACE_S, TerminateRequested, drain_app, raise_terminate
 from tandem.engine.environment import ray_address, serve_host
 
@@ -95,8 +95,10 @@ def run_serve(args: argparse.Namespace) -> int:
     plan = plan_from_cli(args)
     processes = ProcessTree()
     started_ray = False
+    # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
+    state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     try:
-        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress)
+        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress, state_dir)
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)
@@ -125,7 +127,9 @@ def run_serve(args: argparse.Namespace) -> int:
         if started_ray:
             processes.snapshot()
             ray.shutdown()
-            killed = processes.stop_leftovers()
+            # An HAProxy reload during the shutdown starts processes the snapshot never saw; ours are the
+            # ones whose command line names this server's own directory.
+            killed = processes.stop_leftovers() + stop_processes_naming(state_dir)
             if killed:
                 print(f"tandem: stopped processes Ray left behind: {', '.join(killed)}", file=sys.stderr)
 
@@ -154,7 +158,9 @@ def _print_admission(plan: ServePlan) -> None:
     )
 
 
-def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingress: str = "auto") -> bool:
+def _connect_ray(
+    address: str | None, plan: ServePlan, metrics_port: int, ingress: str, state_dir: str
+) -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
 
     A joined cluster keeps the ingress mode its nodes were started with (see ingress_mode.py)."""
@@ -190,8 +196,6 @@ def _connect_ray(address: str | None, plan: ServePlan, metrics_port: int, ingres
     print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
     # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
-    # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
-    state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     for key, value in ray_environment(mode, state_dir).items():
         os.environ[key] = value
     # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built

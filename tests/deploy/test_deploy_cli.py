@@ -152,3 +152,24 @@ def test_a_taken_port_is_named_with_its_holder() -> None:
         holder = port_holder("127.0.0.1", port)
         assert holder is not None and "in use" in holder.lower()
     assert port_holder("127.0.0.1", port) is None
+
+
+def test_processes_naming_the_servers_directory_are_stopped(tmp_path: Any) -> None:
+    """What `tandem serve` does for an HAProxy spawned by a reload during shutdown, after its snapshot."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tandem.deploy.processes import stop_processes_naming
+
+    marker = str(tmp_path / "tandem-marker")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    try:
+        killed = stop_processes_naming(marker, settle_s=3.0)
+        assert killed and f"pid {child.pid}" in killed[0]
+        assert not psutil.pid_exists(child.pid)  # killed (and reaped), not left to sleep
+        assert stop_processes_naming(marker, settle_s=1.5) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
