@@ -113,30 +113,34 @@ class KVManager:
             self.groups, self.page_size, self.chunk_size, 1 << 62, prompt_len, total_tokens - prompt_len
         )
 
-    def match_prefix(self, req: Request) -> None:
-        """Reuse cached pages for the prompt's prefix, keeping at least one token to compute."""
+    def match_prefix(self, req: Request) -> int:
+        """Reuse cached pages for the prompt's prefix, keeping at least one token to compute; return
+        how many prompt tokens were looked up."""
         if self.cache is None:
-            return
+            return 0
         usable = (req.prompt_len - 1) // self.page_size * self.page_size
-        match = self.cache.match_prefix(req.prompt_ids[:usable])
+        match = self.cache.match_prefix(req.prompt_ids[:usable], count=False)
         if match.num_tokens == 0:
-            return
+            return usable
         self.cache.lock(match.handle)
         req.prefix_handle = match.handle
         req.cached_prefix = match.num_tokens
         req.kv_len = match.num_tokens
         req.pages[0] = list(match.pages)
+        return usable
 
     def admit(self, req: Request, total_tokens: int) -> bool:
         """Reserve the request's worst case in every group, or return False to keep it queued."""
         budgets = [self.budget(g.group_id, total_tokens, req.prompt_len) for g in self.groups]
         req.pages = [[] for _ in self.groups]
         req.evicted = [0] * len(self.groups)
-        self.match_prefix(req)
+        queried = self.match_prefix(req)
         own = [b - len(p) for b, p in zip(budgets, req.pages)]
         if any(own[g] > self.available(g) for g in range(len(self.groups))):
             self._drop_prefix(req)
             return False
+        if self.cache is not None:  # counted once per request, not on each try while it waits for pages
+            self.cache.record_query(queried, req.cached_prefix)
         req.reserved = own
         for g, n in enumerate(own):
             self.outstanding[g] += n

@@ -95,17 +95,22 @@ class RadixCache:
     def query_tokens(self) -> int:
         return self._query_tokens
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: Sequence[int], *, count: bool = True) -> PrefixMatch:
         """Find the longest cached whole-page prefix and mark its path recently used.
 
         Splits a node when the match ends inside it, so the handle covers exactly the
-        matched tokens. Lock the handle before anything else can evict or trim it.
+        matched tokens. Lock the handle before anything else can evict or trim it. With
+        `count=False` the hit counters wait for `record_query` (a caller that may retry).
         """
         tokens = tuple(token_ids)
         node, matched, pages = self._walk(tokens, collect=True)
-        self._query_tokens += len(tokens)
-        self._hit_tokens += matched
+        if count:
+            self.record_query(len(tokens), matched)
         return PrefixMatch(matched, pages, node)
+
+    def record_query(self, query_tokens: int, hit_tokens: int) -> None:
+        self._query_tokens += query_tokens
+        self._hit_tokens += hit_tokens
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Cache ``token_ids`` backed by ``pages``; return how many leading tokens were cached.

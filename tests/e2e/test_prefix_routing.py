@@ -30,9 +30,8 @@ def test_prefix_routing_keeps_the_cache_hits_of_one_replica(tmp_path: Path) -> N
         phase = phases[name]
         assert phase["errors"] == [] and phase["num_replicas"] == replicas, (name, phase)
         # Every request went to this phase's fresh replicas: their own hit counters saw what the usage
-        # objects report. The counters also count a match again each time admission waits for pages,
-        # which a KV pool this small makes common, so they may run well above the usage sums.
-        assert phase["usage_hit_tokens"] <= phase["replica_hit_tokens"] <= 2 * phase["usage_hit_tokens"]
+        # objects report (a request waiting for pages is counted once, when admitted).
+        assert phase["usage_hit_tokens"] == phase["replica_hit_tokens"]
     single, routed, default = (phases[n]["cached_tokens"] for n in ("single", "routed", "default"))
     assert routed >= 0.8 * single, (routed, single)
     assert routed >= 1.2 * default, (routed, default)
