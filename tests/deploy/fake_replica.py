@@ -1,0 +1,110 @@
+"""`FakeReplica`: a scripted, in-process stand-in for `LLMReplica` (replicas/llm_replica.py).
+
+The deploy tests run `GenerationService` on it, so the service and the replica's HTTP app are tested
+with no Ray and no ranks. Test modules import it: `from .fake_replica import FakeReplica`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from tandem.engine.tiny import load_tiny_tokenizer
+from tandem.replicas.request_stream import RequestStream
+from tandem.scheduler.messages import TokenOutput
+from tandem.scheduler.sampling_params import SamplingParams
+
+STEP_S = 0.0005
+
+
+class FakeText:
+    """Stands in for the detokenizer: token `i` reads `t<i> `."""
+
+    stopped = False
+    text = ""
+
+    def add(self, token_id: int) -> str:
+        return f"t{token_id} "
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeReplica:
+    """Emits one token per step: id `(sum(prompt) + step + seed) % 200 + 3`, text `t<id> `; the first
+    output says half the prompt came from the prefix cache. Remembers every prompt it was sent
+    (`prompts`), the requests still running (`active`) and those released unfinished (`aborted`).
+
+    `max_model_len` bounds prompt plus `max_tokens`; with `failure`, every request fails at its second
+    step with that reason; a prompt holding token 13 fails validation.
+
+    A step is a short sleep, as an engine step is: a producer that set the job's event on every loop
+    turn would keep anyio's cancellation of a disconnected response from ever finding it waiting."""
+
+    def __init__(self, *, max_model_len: int = 64, failure: str | None = None) -> None:
+        self.max_model_len = max_model_len
+        self.tokenizer = load_tiny_tokenizer()
+        self.failure = failure
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.prompts: list[list[int]] = []
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
+        total = prompt_len + max_tokens
+        if total <= self.max_model_len:
+            return None
+        return f"{total} tokens exceed the context of {self.max_model_len}"
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        sampling.validate()
+        if 13 in prompt_token_ids:
+            raise ValueError("token 13 is unlucky")
+
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        return None
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        listener: Callable[[], None] | None = None,
+    ) -> RequestStream:
+        rid = len(self.prompts)
+        self.prompts.append(prompt_token_ids)
+        detok: Any = FakeText()  # not an IncrementalDetokenizer: only what RequestStream calls
+        stream = RequestStream(request_id or "r", rid, len(prompt_token_ids), sampling, detok, listener)
+        self.active.add(stream.request_id)
+        self._tasks[rid] = asyncio.create_task(self._produce(stream, prompt_token_ids, sampling))
+        return stream
+
+    async def _produce(self, stream: RequestStream, prompt: list[int], sampling: SamplingParams) -> None:
+        for step in range(sampling.max_tokens):
+            await asyncio.sleep(STEP_S)
+            if self.failure is not None and step == 1:
+                stream.fail(self.failure)
+                return
+            token = (sum(prompt) + step + (sampling.seed or 0)) % 200 + 3
+            last = step == sampling.max_tokens - 1
+            top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
+            stream.merge(
+                TokenOutput(
+                    stream.rid,
+                    token,
+                    "length" if last else None,
+                    -0.5 if sampling.logprobs is not None else None,
+                    top if sampling.logprobs is not None else None,
+                    cached_tokens=len(prompt) // 2 if step == 0 else None,
+                )
+            )
+
+    async def release(self, stream: RequestStream) -> None:
+        task = self._tasks.pop(stream.rid, None)
+        if task is None:
+            return
+        task.cancel()
+        self.active.discard(stream.request_id)
+        if not stream.finished:
+            self.aborted.append(stream.request_id)
