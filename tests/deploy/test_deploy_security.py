@@ -7,7 +7,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,71 +28,10 @@ from tandem.deploy.limits import RequestLimits
 from tandem.deploy.metrics import NullMetrics
 from tandem.deploy.service import OpenAIService
 from tandem.deploy.templates import load_chat_template
-from tandem.engine.tiny import load_tiny_tokenizer
-from tandem.replicas.request_stream import RequestStream
-from tandem.scheduler.messages import TokenOutput
-from tandem.scheduler.sampling_params import SamplingParams
+
+from .fake_replica import FakeReplica
 
 KEYS = ["sk-first", "sk-second"]
-
-
-class _Text:
-    """Stands in for the detokenizer: token `i` reads `t<i - 3> `."""
-
-    stopped = False
-
-    def add(self, token_id: int) -> str:
-        return f"t{token_id - 3} "
-
-    def flush(self) -> str:
-        return ""
-
-
-class Replica:
-    """One token per step, `t<step> `; remembers every prompt it was sent."""
-
-    max_model_len = 256
-
-    def __init__(self) -> None:
-        self.tokenizer = load_tiny_tokenizer()
-        self.prompts: list[list[int]] = []
-        self._tasks: dict[int, asyncio.Task[None]] = {}
-
-    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
-        total = prompt_len + max_tokens
-        return None if total <= self.max_model_len else f"{total} tokens exceed the context"
-
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        sampling.validate()
-
-    async def check_structured(self, sampling: SamplingParams) -> str | None:
-        return None
-
-    async def submit(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        request_id: str | None = None,
-        listener: Callable[[], None] | None = None,
-    ) -> RequestStream:
-        rid = len(self.prompts)
-        self.prompts.append(prompt_token_ids)
-        stream = RequestStream(
-            request_id or "r", rid, len(prompt_token_ids), sampling, _Text(), listener  # type: ignore[arg-type]
-        )
-        self._tasks[rid] = asyncio.create_task(self._produce(stream, sampling))
-        return stream
-
-    async def _produce(self, stream: RequestStream, sampling: SamplingParams) -> None:
-        for step in range(sampling.max_tokens):
-            await asyncio.sleep(0.0005)
-            last = step == sampling.max_tokens - 1
-            stream.merge(TokenOutput(stream.rid, step + 3, "length" if last else None))
-
-    async def release(self, stream: RequestStream) -> None:
-        task = self._tasks.pop(stream.rid, None)
-        if task is not None:
-            task.cancel()
 
 
 class Backend:
@@ -115,8 +53,8 @@ def make_app(
     max_body_bytes: int | None = None,
     limits: RequestLimits | None = None,
     chat_template: str | None = None,
-) -> tuple[Any, Replica]:
-    replica = Replica()
+) -> tuple[Any, FakeReplica]:
+    replica = FakeReplica(max_model_len=256)
     generation = GenerationService(replica, NullMetrics(), chat_template=chat_template)
     service = OpenAIService(Backend(generation), "m", limits=limits)
     return build_http_app(service, keys, max_body_bytes), replica
