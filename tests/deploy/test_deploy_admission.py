@@ -1,4 +1,5 @@
-"""In-app admission of the one-hop LLMServer, and the proxy middleware for replica failures."""
+"""In-app admission of the one-hop LLMServer (weighted by choices, in arrival order), and the proxy
+middleware for replica failures."""
 
 from __future__ import annotations
 
@@ -37,6 +38,66 @@ def test_admission_runs_queues_then_turns_away() -> None:
         return events
 
     assert asyncio.run(scenario()) == ["a runs", "c 503 overloaded", "b runs"]
+
+
+def test_admission_weighs_choices_in_arrival_order() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission(max_running=4, max_queued=2)
+        events: list[str] = []
+        gates = {name: asyncio.Event() for name in "abcd"}
+
+        async def job(name: str, weight: int) -> None:
+            try:
+                async with admission.slot(weight):
+                    events.append(f"{name} runs ({admission.running})")
+                    await gates[name].wait()
+            except OpenAIError as exc:
+                events.append(f"{name} {exc.status}")
+
+        a = asyncio.create_task(job("a", 3))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(job("b", 100))  # capped at 4: waits for the whole replica
+        await asyncio.sleep(0)
+        c = asyncio.create_task(job("c", 1))  # would fit now, but b came first
+        await asyncio.sleep(0)
+        d = asyncio.create_task(job("d", 1))  # the queue (2) is full
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.waiting) == (3, 2)
+        gates["a"].set()
+        await asyncio.sleep(0.01)
+        gates["b"].set()
+        gates["c"].set()
+        await asyncio.gather(a, b, c, d)
+        assert (admission.running, admission.waiting) == (0, 0)
+        return events
+
+    assert asyncio.run(scenario()) == ["a runs (3)", "d 503", "b runs (4)", "c runs (1)"]
+
+
+def test_a_cancelled_waiter_lets_the_next_one_in() -> None:
+    async def scenario() -> None:
+        admission = Admission(max_running=2, max_queued=-1)
+        hold = asyncio.Event()
+
+        async def job(weight: int) -> None:
+            async with admission.slot(weight):
+                await hold.wait()
+
+        first = asyncio.create_task(job(1))
+        await asyncio.sleep(0)
+        heavy = asyncio.create_task(job(2))
+        await asyncio.sleep(0)
+        light = asyncio.create_task(job(1))
+        await asyncio.sleep(0.01)
+        assert admission.running == 1 and admission.waiting == 2
+        heavy.cancel()
+        await asyncio.sleep(0.01)
+        assert admission.running == 2 and admission.waiting == 0  # light got in behind the cancelled one
+        hold.set()
+        await asyncio.gather(first, light)
+        assert admission.running == 0
+
+    asyncio.run(scenario())
 
 
 async def _call(app: Any, path: str) -> tuple[list[dict[str, Any]], bytes]:

@@ -1,5 +1,6 @@
-"""API keys, request bounds, server-chosen chat templates and weighted admission, on the replica's real
-FastAPI app over ASGI (no Ray): a small scripted replica stands in for the ranks."""
+"""API keys, request bounds, server-chosen chat templates and the drain gate, on the replica's real
+FastAPI app over ASGI (no Ray): a small scripted replica stands in for the ranks. Weighted admission is
+tested in test_deploy_admission.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.deploy.admission import Admission
 from tandem.deploy.args import AppArgs
 from tandem.deploy.auth import ApiKeys, resolve_api_keys
 from tandem.deploy.body_limit import BodyLimitMiddleware
-from tandem.deploy.errors import OpenAIError
 from tandem.deploy.generation import INLINE_TOKENIZE_CHARS, GenerationService
 from tandem.deploy.http import build_http_app
 from tandem.deploy.job_run import JobRun
@@ -272,69 +271,6 @@ def test_the_servers_template_renders_the_chat(tmp_path: Path) -> None:
     }
     assert request(app, "POST", "/v1/chat/completions", json=body).status_code == 200
     assert replica.tokenizer.decode(replica.prompts[-1]) == "<<hi>>!"
-
-
-# ---- weighted admission ---------------------------------------------------------------------------
-
-
-def test_admission_weighs_choices_in_arrival_order() -> None:
-    async def scenario() -> list[str]:
-        admission = Admission(max_running=4, max_queued=2)
-        events: list[str] = []
-        gates = {name: asyncio.Event() for name in "abcd"}
-
-        async def job(name: str, weight: int) -> None:
-            try:
-                async with admission.slot(weight):
-                    events.append(f"{name} runs ({admission.running})")
-                    await gates[name].wait()
-            except OpenAIError as exc:
-                events.append(f"{name} {exc.status}")
-
-        a = asyncio.create_task(job("a", 3))
-        await asyncio.sleep(0)
-        b = asyncio.create_task(job("b", 100))  # capped at 4: waits for the whole replica
-        await asyncio.sleep(0)
-        c = asyncio.create_task(job("c", 1))  # would fit now, but b came first
-        await asyncio.sleep(0)
-        d = asyncio.create_task(job("d", 1))  # the queue (2) is full
-        await asyncio.sleep(0.01)
-        assert (admission.running, admission.waiting) == (3, 2)
-        gates["a"].set()
-        await asyncio.sleep(0.01)
-        gates["b"].set()
-        gates["c"].set()
-        await asyncio.gather(a, b, c, d)
-        assert (admission.running, admission.waiting) == (0, 0)
-        return events
-
-    assert asyncio.run(scenario()) == ["a runs (3)", "d 503", "b runs (4)", "c runs (1)"]
-
-
-def test_a_cancelled_waiter_lets_the_next_one_in() -> None:
-    async def scenario() -> None:
-        admission = Admission(max_running=2, max_queued=-1)
-        hold = asyncio.Event()
-
-        async def job(weight: int) -> None:
-            async with admission.slot(weight):
-                await hold.wait()
-
-        first = asyncio.create_task(job(1))
-        await asyncio.sleep(0)
-        heavy = asyncio.create_task(job(2))
-        await asyncio.sleep(0)
-        light = asyncio.create_task(job(1))
-        await asyncio.sleep(0.01)
-        assert admission.running == 1 and admission.waiting == 2
-        heavy.cancel()
-        await asyncio.sleep(0.01)
-        assert admission.running == 2 and admission.waiting == 0  # light got in behind the cancelled one
-        hold.set()
-        await asyncio.gather(first, light)
-        assert admission.running == 0
-
-    asyncio.run(scenario())
 
 
 # ---- the drain gate -------------------------------------------------------------------------------
