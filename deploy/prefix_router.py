@@ -7,8 +7,8 @@ of what it sent where, and picks:
 
 1. for a prompt matching at least `match_rate_threshold` of its text, the least loaded of the replicas
    holding the longest match;
-2. for a new prefix, the least loaded replica, then the one given the fewest new prefixes so far (so a
-   burst of new prefixes spreads before any load report shows it);
+2. for a new prefix, the replica given the fewest new prefixes so far, then the least loaded (so a
+   burst of new prefixes spreads evenly whatever the lagging load reports say);
 3. but the least loaded replica if the pick runs `imbalanced_threshold` requests more than it.
 
 Unlike `PrefixCacheAffinityRouter`, the tree lives in the router's own process, not in a detached actor
@@ -122,6 +122,11 @@ class PrefixAffinityRouter(RequestRouter):
         new = set(self._replica_id_set)
         if new - old:
             self._tree.add_tenants([r.to_full_id_str() for r in new - old], time.time())
+            # A replica added later starts level with the fewest placed, not at zero: it takes its
+            # share of new prefixes from now on rather than every one until it has caught up.
+            floor = min(self._placed.values(), default=0)
+            for replica in new - old:
+                self._placed.setdefault(replica.to_full_id_str(), floor)
         if old - new:
             gone = [r.to_full_id_str() for r in old - new]
             self._tree.remove_tenants(gone)
@@ -160,18 +165,22 @@ class PrefixAffinityRouter(RequestRouter):
         loads = {t: self.load(r) for t, r in by_id.items()}
         sizes = self._tree.tenant_to_char_count
         matched, tenants = self._tree.prefix_match(text, list(by_id))
-        if tenants and matched and len(matched) >= self._match_rate_threshold * len(text):
-            pool = [t for t in tenants if t in by_id] or list(by_id)
+        new_prefix = not (tenants and matched and len(matched) >= self._match_rate_threshold * len(text))
+        if not new_prefix:
+            pool = [t for t in tenants or () if t in by_id] or list(by_id)
             chosen = min(pool, key=lambda t: (loads[t], sizes.get(t, 0)))
         else:
-            # A new prefix: the least loaded replica, then the one given the fewest new prefixes. (By
-            # cached size, Ray's rule, a replica that had served much unrelated traffic left every new
-            # prefix to the other; load reports lag, so they cannot spread a burst of new prefixes.)
-            chosen = min(by_id, key=lambda t: (loads[t], self._placed.get(t, 0), sizes.get(t, 0)))
-            self._placed[chosen] = self._placed.get(chosen, 0) + 1
+            # A new prefix: the replica given the fewest new prefixes, then the least loaded. Not load
+            # first: reports lag a second behind, so one stale report of a single request would send a
+            # whole burst of new prefixes to the other replica, whose cache then thrashes while the
+            # first one's stays empty. Not cached size first (Ray's rule): a replica that had served
+            # much unrelated traffic would leave every new prefix to the other.
+            chosen = min(by_id, key=lambda t: (self._placed.get(t, 0), loads[t], sizes.get(t, 0)))
         least = min(by_id, key=lambda t: (loads[t], sizes.get(t, 0)))
         if loads[chosen] - loads[least] > self._imbalanced_threshold:
-            chosen = least
+            chosen = least  # balance first: the cache only decides among replicas loaded alike
+        if new_prefix:
+            self._placed[chosen] = self._placed.get(chosen, 0) + 1
         return by_id[chosen]
 
     def load(self, replica: RunningReplica) -> float:

@@ -127,6 +127,35 @@ def test_new_prefixes_spread_by_load_whatever_was_cached_before() -> None:
     assert sorted(picks) == ["a"] * 3 + ["b"] * 5, picks
 
 
+def test_a_stale_load_report_does_not_send_a_burst_of_new_prefixes_to_one_replica() -> None:
+    async def run() -> list[str]:
+        # "b" last reported the one request it was running a second ago; "a" reported none.
+        replicas = [FakeReplica("a"), FakeReplica("b", ongoing=1)]
+        router = await _router(replicas)
+        bodies = [{"prompt": f"tenant {p}: " + "policy " * 30} for p in range(8)]
+        return [await _route(router, replicas, body) for body in bodies]
+
+    picks = asyncio.run(run())
+    # Load first would put all eight on "a", whose cache then holds every prefix; the difference of one
+    # request is far below the imbalance threshold, so the prefixes spread four and four.
+    assert sorted(picks) == ["a"] * 4 + ["b"] * 4, picks
+
+
+def test_a_replica_added_later_takes_its_share_of_new_prefixes_not_all() -> None:
+    async def run() -> list[str]:
+        replicas = [FakeReplica("a"), FakeReplica("b")]
+        router = await _router(replicas)
+        for p in range(10):
+            await _route(router, replicas, {"prompt": f"early tenant {p}: " + "policy " * 30})
+        replicas.append(FakeReplica("c"))  # an autoscaled replica joins
+        router.update_replicas(replicas)  # type: ignore[arg-type]
+        bodies = [{"prompt": f"late tenant {p}: " + "rules " * 30} for p in range(6)]
+        return [await _route(router, replicas, body) for body in bodies]
+
+    picks = asyncio.run(run())
+    assert sorted(picks) == ["a"] * 2 + ["b"] * 2 + ["c"] * 2, picks
+
+
 def test_requests_without_a_prompt_get_two_choices_least_loaded_first() -> None:
     async def run() -> list[list[str]]:
         replicas = [FakeReplica("a", ongoing=3), FakeReplica("b", ongoing=1)]

@@ -30,14 +30,6 @@ def _run(out: Path) -> dict[str, Any]:
 def test_prefix_routing_keeps_the_cache_hits_of_one_replica(tmp_path: Path) -> None:
     result = _run(tmp_path / "prefix-routing.json")
     phases = result["phases"]
-    if phases["routed"]["cached_tokens"] < 0.8 * phases["single"]["cached_tokens"]:
-        # Known flake, not understood yet: in one of three full-suite runs on the 2-core box the routed
-        # phase had no affinity at all (1,692 cached tokens against 39,212); alone it always held. One
-        # more run, so a second miss fails the test; both figures are kept in the failure message.
-        first = phases["routed"]["cached_tokens"]
-        result = _run(tmp_path / "prefix-routing-again.json")
-        result["first_routed_cached_tokens"] = first
-    phases = result["phases"]
     for name, replicas in (("single", 1), ("routed", 2), ("default", 2)):
         phase = phases[name]
         assert phase["errors"] == [] and phase["num_replicas"] == replicas, (name, phase)
@@ -45,6 +37,6 @@ def test_prefix_routing_keeps_the_cache_hits_of_one_replica(tmp_path: Path) -> N
         # objects report (a request waiting for pages is counted once, when admitted).
         assert phase["usage_hit_tokens"] == phase["replica_hit_tokens"]
     single, routed, default = (phases[n]["cached_tokens"] for n in ("single", "routed", "default"))
-    assert routed >= 0.8 * single, (routed, single, result.get("first_routed_cached_tokens"))
+    assert routed >= 0.8 * single, (routed, single)
     assert routed >= 1.2 * default, (routed, default)
     assert set(result) >= {"device", "commit", "hit_ratio_routed", "hit_ratio_default", "ttft_p50_ms_routed"}
