@@ -99,13 +99,19 @@ def hf_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int
 
 
 class GrammarState:
-    """One request's constraint: its compile, then its matcher (made when first needed)."""
+    """One request's constraint: its compile, then its matcher (made when first needed).
+
+    `accept` records what the result processing reads (`refused`, `terminated`), so that processing
+    never touches the matcher while a bitmask fill of the next step may be reading it on another thread.
+    """
 
     def __init__(self, compiled: Future[xgr.CompiledGrammar]) -> None:
         self._compiled = compiled
         self._matcher: xgr.GrammarMatcher | None = None
         self.vocab_size = 0  # xgrammar's vocabulary size (the bitmask's width), once compiled
         self.failed: str | None = None
+        self.refused = False  # the last token offered was not accepted
+        self.terminated = False  # the grammar is complete and its end-of-sequence token accepted
 
     def matcher(self) -> xgr.GrammarMatcher | None:
         """Blocks on the compile if it is still running; None (and `failed` set) if it failed."""
@@ -120,33 +126,47 @@ class GrammarState:
         return self._matcher
 
     def accept(self, token: int) -> bool:
-        """Advance by one sampled token; False if the grammar refuses it."""
+        """Advance by one sampled token; False (and `refused` set) if the grammar refuses it."""
         matcher = self.matcher()
-        return matcher is not None and bool(matcher.accept_token(token))
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its end-of-sequence token accepted."""
-        return self._matcher is not None and bool(self._matcher.is_terminated())
+        self.refused = matcher is None or not matcher.accept_token(token)
+        self.terminated = matcher is not None and bool(matcher.is_terminated())
+        return not self.refused
 
 
 class BitmaskFiller:
     """Fills the bitmasks of a batch's constrained rows, the rows' matchers in parallel (xgrammar's
     batch matcher, on half the host's cores): at a few tens of microseconds a row for a JSON schema
-    over a 150k vocabulary, a serial fill of a large batch would sit on the step's critical path."""
+    over a 150k vocabulary, a serial fill of a large batch would sit on the step's critical path.
+
+    `start` runs the fill on a worker thread and returns at once: xgrammar's batch fill releases the
+    GIL, so the scheduler processes the previous batch's results meanwhile. The caller must not touch
+    the rows' matchers until the future is done.
+    """
 
     def __init__(self) -> None:
         self._batch = xgr.BatchGrammarMatcher()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
 
-    def fill(self, states: list[GrammarState], pin: bool) -> torch.Tensor:
-        """int32 [len(states), ceil(V/32)]: row i allows the tokens `states[i]` accepts next (bit set)."""
+    def start(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
+        """int32 [len(states), ceil(V/32)], when done: row i allows the tokens `states[i]` accepts next.
+
+        Matchers are made (and compiles waited for) here, on the caller's thread."""
         matchers = [state.matcher() for state in states]
         width = (max(max(state.vocab_size for state in states), 1) + 31) // 32
         bitmask = torch.empty((len(states), width), dtype=torch.int32, pin_memory=pin)
-        live: list[tuple[int, xgr.GrammarMatcher]] = [
-            (i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()
-        ]
         bitmask.fill_(-1)  # a failed or finished row is dropped at result time; any token will do
+        live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        return self._worker.submit(self._fill, bitmask, live)
+
+    def fill(self, states: list[GrammarState], pin: bool) -> torch.Tensor:
+        return self.start(states, pin).result()
+
+    def _fill(self, bitmask: torch.Tensor, live: list[tuple[int, xgr.GrammarMatcher]]) -> torch.Tensor:
+        # xgrammar writes the rows through the tensor's pointer: no torch op here, so an inference-mode
+        # tensor made on the caller's thread is fine.
         if live:
             self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
         return bitmask
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)

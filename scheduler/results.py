@@ -20,8 +20,18 @@ class ResultProcessor:
     def emit_finish(self, rid: int, reason: str) -> None:
         self.emit([TokenOutput(rid, None, reason)])
 
-    def process(self, rows: list[Row], output: ForwardOutput) -> None:
-        tokens = output.next_tokens_host.tolist()
+    def accept_constrained(self, rows: list[Row], output: ForwardOutput) -> list[int]:
+        """The batch's tokens, after advancing each constrained row's matcher by its token. Apart from
+        `process`, so the next batch's bitmasks can be filled while the rest is processed."""
+        tokens: list[int] = output.next_tokens_host.tolist()
+        for i, row in enumerate(rows):
+            req = row.req
+            if row.samples and req.finish_reason is None and req.grammar is not None:
+                req.grammar.accept(int(tokens[i]))
+        return tokens
+
+    def process(self, rows: list[Row], output: ForwardOutput, tokens: list[int]) -> None:
+        """Append each sampling row's token (`tokens`, from `accept_constrained`) and decide finishes."""
         logprobs = output.logprobs_host.tolist() if output.logprobs_host is not None else None
         top_ids = output.top_ids_host.tolist() if output.top_ids_host is not None else None
         top_vals = output.top_logprobs_host.tolist() if output.top_logprobs_host is not None else None
@@ -35,7 +45,7 @@ class ResultProcessor:
             token = int(tokens[i])
             req.output_ids.append(token)
             spec = req.sampling
-            if req.grammar is not None and not req.grammar.accept(token):
+            if req.grammar is not None and req.grammar.refused:
                 # Masked sampling only draws allowed tokens, so this is a failed compile (or a bug).
                 req.finish_reason = "abort"
             elif (

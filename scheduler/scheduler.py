@@ -7,6 +7,7 @@ every decision is deterministic.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -48,6 +49,7 @@ class InFlight:
     sampling: SamplingBatch | None = None  # set while the sample is pending
     logits: torch.Tensor | None = None
     grammar_rows: list[int] | None = None  # batch rows with a matcher that sample this step
+    bitmask: Future[torch.Tensor] | None = None  # their masks, being filled on the filler's worker
 
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]
@@ -229,16 +231,24 @@ class Scheduler:
             self._sample(flight)
         return flight
 
-    def _sample(self, flight: InFlight) -> None:
-        """Mask, sample and store the tokens of a batch launched with its sample pending. Every earlier
-        batch has been processed by now, so each matcher has accepted every token before this step's."""
-        assert flight.sampling is not None and flight.logits is not None and flight.grammar_rows is not None
+    def _start_masks(self, flight: InFlight) -> None:
+        """Start filling the bitmasks of a batch launched with its sample pending. Every earlier batch's
+        tokens have been accepted by now, so each matcher is where this step's token is drawn."""
+        assert flight.grammar_rows is not None
         rows = flight.prepared.rows
-        states = [rows[i].req.grammar for i in flight.grammar_rows]
-        pin = self.device.type == "cuda"
+        states = [state for i in flight.grammar_rows if (state := rows[i].req.grammar) is not None]
         if self._bitmasks is None:
             self._bitmasks = BitmaskFiller()
-        bitmask = self._bitmasks.fill([s for s in states if s is not None], pin)
+        flight.bitmask = self._bitmasks.start(states, self.device.type == "cuda")
+
+    def _sample(self, flight: InFlight) -> None:
+        """Mask, sample and store the tokens of a batch launched with its sample pending."""
+        assert flight.sampling is not None and flight.logits is not None and flight.grammar_rows is not None
+        if flight.bitmask is None:
+            self._start_masks(flight)
+        assert flight.bitmask is not None
+        bitmask = flight.bitmask.result()
+        pin = self.device.type == "cuda"
         index = torch.tensor(flight.grammar_rows, dtype=torch.int64, pin_memory=pin)
         sampling = replace(
             flight.sampling,
@@ -247,18 +257,24 @@ class Scheduler:
         )
         flight.output = self.engine.sample(flight.logits, sampling)
         self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens
-        flight.sampling = flight.logits = None
+        flight.sampling = flight.logits = flight.bitmask = None
 
-    def _process(self, done: InFlight) -> None:
+    def _process(self, done: InFlight, pending: InFlight | None = None) -> None:
+        """Process a finished batch. `pending`, a launched batch whose constrained rows wait for their
+        masks: those are filled on the filler's worker while this batch's results are processed."""
         assert done.output is not None, "a batch is sampled before it is processed"
         with self.timer.phase("wait"):  # blocked on the device: the rest of the step is host time
             done.output.copy_done.synchronize()
+        rows = done.prepared.rows
+        tokens = self.results.accept_constrained(rows, done.output)
+        if pending is not None:
+            self._start_masks(pending)
         batch_id = done.prepared.batch_id
         self.last_processed = batch_id
         self.inflight_pages.pop(batch_id, None)
         self.kv.flush(batch_id)
-        self.results.process(done.prepared.rows, done.output)
-        for row in done.prepared.rows:
+        self.results.process(rows, done.output, tokens)
+        for row in rows:
             if row.req.finish_reason is not None:
                 self._release_if_idle(row.req)
 
@@ -297,14 +313,15 @@ class Scheduler:
                 self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
                 ongoing = self._launch(prepared, defer_masks=True)
+        pending = ongoing if ongoing is not None and ongoing.output is None else None
         if last is not None:
             with self.timer.phase("process_results"):
-                self._process(last)
-        if ongoing is not None and ongoing.output is None:
-            # Structured-output rows: batch N is processed, so their masks for N+1 are exact now; the
-            # forward of N+1 has been running on the device meanwhile.
+                # Structured-output rows in N+1: once N's tokens are accepted their masks are exact, and
+                # they fill while the rest of N is processed and the forward of N+1 runs on the device.
+                self._process(last, pending)
+        if pending is not None:
             with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):
-                self._sample(ongoing)
+                self._sample(pending)
         return ongoing
 
     def stats(self) -> dict[str, int | list[int]]:

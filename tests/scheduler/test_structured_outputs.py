@@ -73,6 +73,28 @@ def test_json_schema_outputs_validate_in_a_batch_mixed_with_plain_rows(llm: LLM,
     assert [o.token_ids for o in again] == [o.token_ids for o in mixed]
 
 
+def test_overlap_loop_fills_masks_before_processing_the_previous_batch(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The masks of batch N+1 start filling (on the filler's worker) as soon as N's tokens are accepted,
+    before the rest of N's results are processed, so the two overlap on the host."""
+    scheduler = llm.runtime.scheduler
+    behind: list[int] = []  # per mask fill: its batch id less the last processed batch's
+    start_masks = scheduler._start_masks
+
+    def recording_start(flight: Any) -> None:
+        behind.append(flight.prepared.batch_id - scheduler.last_processed)
+        start_masks(flight)
+
+    monkeypatch.setattr(scheduler, "_start_masks", recording_start)
+    outs = llm.generate(["a poem about the sea"] * 2, [_schema_params(s) for s in range(2)], use_tqdm=False)
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert len(behind) >= min(len(o.token_ids) for o in outs)
+    # The first constrained batch has no previous one to process; every later one starts filling while
+    # batch N is still unprocessed (N+1 - (N-1) = 2), not after (that would be 1).
+    assert behind[1:] == [2] * (len(behind) - 1), behind
+
+
 @pytest.mark.parametrize(
     ("structured", "check"),
     [
