@@ -56,6 +56,8 @@ class SamplingBatch:
     # Structured outputs: bit v of bitmask[i] says whether token v is allowed in row bitmask_rows[i].
     bitmask: torch.Tensor | None = None  # int32 [G, ceil(V / 32)], device
     bitmask_rows: torch.Tensor | None = None  # int64 [G], device
+    # The ids the bitmask speaks for (the tokenizer's); ids past them (a padded head) are never allowed.
+    bitmask_vocab: int | None = None  # None: the whole head
 
     @property
     def constrained(self) -> bool:

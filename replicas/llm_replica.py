@@ -177,8 +177,8 @@ class LLMReplica:
             return None
         await self.start()
         if self._grammars is None:
-            tokenizer, vocab = self.tokenizer, self.vocab_size
-            self._grammars = GrammarCache(lambda: hf_tokenizer_info(tokenizer, vocab, ()))
+            tokenizer = self.tokenizer
+            self._grammars = GrammarCache(lambda: hf_tokenizer_info(tokenizer, ()))
         try:
             future = self._grammars.compile(sampling.structured_outputs.spec())
             # shield: a timeout must not cancel the shared compile other requests may be waiting on.

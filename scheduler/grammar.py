@@ -91,10 +91,18 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def hf_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
-    """The vocabulary as xgrammar sees it: the model's (padded) size, its end-of-sequence ids."""
+def hf_tokenizer_info(tokenizer: Any, stop_token_ids: tuple[int, ...]) -> xgr.TokenizerInfo:
+    """The vocabulary as xgrammar sees it: the ids the tokenizer has, and the end-of-sequence ids.
+
+    Not the model's head, which is often padded past the tokenizer: those ids have no text, so no
+    grammar accepts them, and the sampler masks them for constrained rows with one slice
+    (`SamplingBatch.bitmask_vocab`). Given them, xgrammar clears their bits one by one in every row's
+    mask at every step, which for a small tokenizer under a wide head costs more than the grammar.
+    """
+    ids = tokenizer.get_vocab().values()
+    size = max(len(tokenizer), max(ids, default=-1) + 1, max(stop_token_ids, default=-1) + 1)
     return xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=max(vocab_size, len(tokenizer)), stop_token_ids=list(stop_token_ids) or None
+        tokenizer, vocab_size=size, stop_token_ids=list(stop_token_ids) or None
     )
 
 

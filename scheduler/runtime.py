@@ -94,7 +94,7 @@ class RankRuntime:
             seed=options.seed,
             guard_inflight_pages=options.guard_inflight_pages,
         )
-        grammars = GrammarCache(lambda: _tokenizer_info(model_dir, mc.vocab_size, mc.eos_token_ids))
+        grammars = GrammarCache(lambda: _tokenizer_info(model_dir, mc.eos_token_ids))
         self.scheduler = Scheduler(
             sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit, grammars=grammars
         )
@@ -125,8 +125,8 @@ class RankRuntime:
         )
 
 
-def _tokenizer_info(model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
+def _tokenizer_info(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Any:
     """xgrammar's view of the model's vocabulary, for the rank's structured-output matchers."""
     from transformers import AutoTokenizer
 
-    return hf_tokenizer_info(AutoTokenizer.from_pretrained(model_dir), vocab_size, eos_token_ids)
+    return hf_tokenizer_info(AutoTokenizer.from_pretrained(model_dir), eos_token_ids)

@@ -248,12 +248,15 @@ class Scheduler:
             self._start_masks(flight)
         assert flight.bitmask is not None
         bitmask = flight.bitmask.result()
+        grammars = [flight.prepared.rows[i].req.grammar for i in flight.grammar_rows]
+        vocab = max(g.vocab_size for g in grammars if g is not None)  # one tokenizer: all alike
         pin = self.device.type == "cuda"
         index = torch.tensor(flight.grammar_rows, dtype=torch.int64, pin_memory=pin)
         sampling = replace(
             flight.sampling,
             bitmask=bitmask.to(self.device, non_blocking=True),
             bitmask_rows=index.to(self.device, non_blocking=True),
+            bitmask_vocab=vocab or None,
         )
         flight.output = self.engine.sample(flight.logits, sampling)
         self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens

@@ -73,6 +73,20 @@ def test_json_schema_outputs_validate_in_a_batch_mixed_with_plain_rows(llm: LLM,
     assert [o.token_ids for o in again] == [o.token_ids for o in mixed]
 
 
+def test_a_head_wider_than_the_tokenizer_never_yields_ids_without_text(tiny_model_dir: Any) -> None:
+    """A padded head (2,048 logits over the 512-id tokenizer): the masks speak for the tokenizer's ids,
+    and the sampler rules out the rest, which a random model would otherwise draw often."""
+    llm = LLM(str(tiny_model_dir("qwen3", vocab_size=2048)), device="cpu", page_size=4)
+    try:
+        known = len(llm.tokenizer)
+        outs = llm.generate(["a poem about the sea"] * 6, [_schema_params(s) for s in range(6)], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in outs:
+        assert out.finish_reason == "stop" and max(out.token_ids) < known, (out.finish_reason, out.token_ids)
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
 def test_overlap_loop_fills_masks_before_processing_the_previous_batch(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,7 +206,7 @@ def test_compile_errors_name_the_reason(tiny_model_dir: Any) -> None:
     from tandem.scheduler.grammar import hf_tokenizer_info
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
-    cache = GrammarCache(lambda: hf_tokenizer_info(tokenizer, len(tokenizer), (tokenizer.eos_token_id,)))
+    cache = GrammarCache(lambda: hf_tokenizer_info(tokenizer, (tokenizer.eos_token_id,)))
     try:
         with pytest.raises(ValueError, match="foo"):
             cache.compile(GrammarSpec("json_schema", '{"type": "foo"}')).result()
