@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.tiny import load_tiny_tokenizer, tiny_config
+from tandem.engine.tiny.tokenizer import VOCAB_SIZE
 
 QWEN3_0_6B: dict[str, Any] = {
     "num_hidden_layers": 28,
@@ -62,10 +63,22 @@ SHAPES = {
 
 
 def write_random_model(
-    path: Path, family: str, *, device: torch.device, seed: int = 0, **overrides: Any
+    path: Path,
+    family: str,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    covering_tokenizer: bool = False,
+    **overrides: Any,
 ) -> Path:
-    """An HF model directory with random bf16 weights; reused when `path` already holds the same spec."""
+    """An HF model directory with random bf16 weights; reused when `path` already holds the same spec.
+
+    The tokenizer is the tiny one (512 ids, under any head), or with `covering_tokenizer` the tiny one
+    widened to the head's vocabulary, so every id has text as in a real model: what structured outputs'
+    masks and the detokenizer cost depends on the vocabulary, not on the head alone."""
     spec = {"family": family, "seed": seed, "overrides": overrides, "version": 1}
+    if covering_tokenizer:
+        spec["tokenizer"] = "covering"
     marker = path / "tandem-random-model.json"
     if marker.is_file() and json.loads(marker.read_text()) == spec:
         return path
@@ -75,7 +88,7 @@ def write_random_model(
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(path)
-    load_tiny_tokenizer().save_pretrained(path)
+    load_tiny_tokenizer(config.vocab_size if covering_tokenizer else VOCAB_SIZE).save_pretrained(path)
     gen = torch.Generator(device=device).manual_seed(seed)
     gemma = family.startswith("gemma")
     tensors: dict[str, torch.Tensor] = {}

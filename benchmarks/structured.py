@@ -8,7 +8,8 @@ integer lists without end, so constrained rows run to max_tokens as the plain on
 for both; a constrained row could only stop early by completing its object).
 
     python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
-    python benchmarks/structured.py --num-seqs 8 --max-input 64 --max-output 32 --layers 1 --device cpu \
+    python benchmarks/structured.py --num-seqs 8 --min-input 16 --max-input 64 --min-output 8 \
+        --max-output 32 --layers 1 --device cpu \
         --model-dir /tmp/tandem-bench/qwen3-1l --tag smoke --out-dir /tmp
 """
 
@@ -95,7 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=8192)
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/qwen3-0.6b"))
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/tandem-bench/qwen3-0.6b-covering"))
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--tag", default="h200", help="result file: structured-<tag>.json")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -103,7 +104,8 @@ def main() -> None:
 
     device = torch.device(args.device)
     shape = {**QWEN3_0_6B, "num_hidden_layers": args.layers}
-    model_dir = write_random_model(args.model_dir, "qwen3", device=device, **shape)
+    # A tokenizer with text for all 151,936 ids, as Qwen's has: the masks' cost is the vocabulary's.
+    model_dir = write_random_model(args.model_dir, "qwen3", device=device, covering_tokenizer=True, **shape)
     prompts, plain_params = workload(args)
     schema = StructuredOutputs(json=SCHEMA)
     mixed_params = [replace(p, structured_outputs=schema) if i % 2 else p for i, p in enumerate(plain_params)]
@@ -130,6 +132,7 @@ def main() -> None:
         "plain_tpot_ms": {"plain_run": plain["plain_tpot_ms"], "mixed_run": mixed["plain_tpot_ms"]},
         "config": {
             "model": "Qwen3-0.6B shape, random bf16 weights",
+            "tokenizer": "the tiny tokenizer widened to the head's 151,936 ids (engine/tiny/tokenizer.py)",
             "model_shape": shape,
             "num_seqs": args.num_seqs,
             "input_len": [args.min_input, args.max_input],

@@ -7,6 +7,8 @@ hash order), so every process gets the identical vocabulary and merges.
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -57,10 +59,16 @@ def train_tiny_backend() -> Tokenizer:
     return tok
 
 
-def load_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny tokenizer wrapped for transformers: eos = pad = `<|endoftext|>`, no BOS, ChatML template."""
+def load_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer wrapped for transformers: eos = pad = `<|endoftext|>`, no BOS, ChatML template.
+
+    A larger `vocab_size` widens it (`widen_backend`) so a benchmark model with a real architecture's
+    vocabulary has text for every id of its head, as a real model does."""
+    backend = train_tiny_backend()
+    if vocab_size != VOCAB_SIZE:
+        backend = widen_backend(backend, vocab_size)
     return PreTrainedTokenizerFast(
-        tokenizer_object=train_tiny_backend(),
+        tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
@@ -80,3 +88,34 @@ def special_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
             raise RuntimeError(f"special token {text!r} is missing from the tiny tokenizer")
         ids[text] = tid
     return ids
+
+
+def widen_backend(backend: Tokenizer, vocab_size: int, seed: int = 0) -> Tokenizer:
+    """`backend` with word-like merges appended up to `vocab_size` ids. The first 512 ids, the specials'
+    among them, keep their meaning, so models and chat templates written for the tiny tokenizer still
+    hold; what a text encodes to changes once the new merges apply.
+
+    Each new token is an ASCII word piece grown by one letter (now and then a digit or punctuation
+    mark), with or without the leading-space marker: the mix of a real byte-level BPE vocabulary, which
+    is what a structured-output grammar's per-token work and a detokenizer's cost depend on."""
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"cannot widen the tiny tokenizer to {vocab_size} ids, fewer than its {VOCAB_SIZE}")
+    spec = json.loads(backend.to_str())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    merges: list[list[str]] = spec["model"]["merges"]
+    for added in spec["added_tokens"]:  # kept at their ids: otherwise they would move past the new ones
+        vocab[added["content"]] = added["id"]
+    rng = random.Random(seed)
+    tails = [t for t in "abcdefghijklmnopqrstuvwxyz" * 9 + "0123456789_-.,:'\"" if t in vocab]
+    stems = [t for t in vocab if t.lstrip("Ġ").isascii() and t.lstrip("Ġ").isalpha()]
+    next_id = VOCAB_SIZE
+    while next_id < vocab_size:
+        stem, tail = rng.choice(stems), rng.choice(tails)
+        if stem + tail in vocab:
+            continue
+        vocab[stem + tail] = next_id
+        merges.append([stem, tail])
+        next_id += 1
+        if len(stem) < 12:
+            stems.append(stem + tail)
+    return Tokenizer.from_str(json.dumps(spec))

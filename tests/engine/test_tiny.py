@@ -139,6 +139,20 @@ def test_tokenizer_is_deterministic() -> None:
     assert len(load_tiny_tokenizer()) == 512
 
 
+def test_widened_tokenizer_has_text_for_every_id_and_keeps_the_first_512() -> None:
+    tiny, wide = load_tiny_tokenizer(), load_tiny_tokenizer(4096)
+    assert len(wide) == 4096 and sorted(wide.get_vocab().values()) == list(range(4096))
+    assert all(wide.convert_ids_to_tokens(i) == tiny.convert_ids_to_tokens(i) for i in range(512))
+    assert wide.eos_token_id == tiny.eos_token_id and wide.chat_template == tiny.chat_template
+    new_ids = range(512, 4096)
+    assert all(wide.decode([i]).strip() for i in new_ids)  # every new id is text, not bytes or specials
+    text = "The quick brown fox jumps over 12 lazy dogs, twice."
+    ids = wide.encode(text)
+    assert wide.decode(ids) == text and any(i >= 512 for i in ids)  # the new merges apply
+    with pytest.raises(ValueError, match="fewer than"):
+        load_tiny_tokenizer(100)
+
+
 def test_chat_template(tiny_model_dir: TinyDir) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 👋"}]

@@ -79,7 +79,8 @@ def test_a_head_wider_than_the_tokenizer_never_yields_ids_without_text(tiny_mode
     llm = LLM(str(tiny_model_dir("qwen3", vocab_size=2048)), device="cpu", page_size=4)
     try:
         known = len(llm.tokenizer)
-        outs = llm.generate(["a poem about the sea"] * 6, [_schema_params(s) for s in range(6)], use_tqdm=False)
+        params = [_schema_params(s) for s in range(6)]
+        outs = llm.generate(["a poem about the sea"] * 6, params, use_tqdm=False)
     finally:
         llm.shutdown()
     for out in outs:
