@@ -53,6 +53,17 @@ async def collect(replica: LLMReplica, prompt: list[int], sp: SamplingParams) ->
     return {"tokens": tokens, "finish": finish, "error": error}
 
 
+async def settled_samples(replica: LLMReplica, timeout_s: float = 10.0) -> list[list[tuple[int, int]]]:
+    """Each rank's sampled (request, token) pairs, once every rank has processed as many steps: the
+    streams end when rank 0 has processed the last step, and another rank may still be one step behind."""
+    deadline = time.monotonic() + timeout_s
+    per_rank = await replica.sampled_tokens()
+    while len({len(tokens) for tokens in per_rank}) > 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        per_rank = await replica.sampled_tokens()
+    return per_rank
+
+
 def replica(model_dir: Path, tp: int, **engine: Any) -> LLMReplica:
     return LLMReplica(str(model_dir), tp_size=tp, device="cpu", engine={"page_size": 4, **engine})
 
@@ -93,7 +104,7 @@ def test_seeded_sampling_agrees_across_ranks_and_abort_frees_kv(ray_cluster: Non
             sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=21)
             outs = await asyncio.gather(*(collect(rep, p, sp) for p in prompts))
             assert all(o["finish"] in ("stop", "length") for o in outs)
-            per_rank = await rep.sampled_tokens()
+            per_rank = await settled_samples(rep)
             assert per_rank[0] == per_rank[1] and len(per_rank[0]) >= len(prompts)
             # Structured outputs: each rank masks with its own matchers, so they must agree too.
             regex = SamplingParams(
@@ -102,7 +113,7 @@ def test_seeded_sampling_agrees_across_ranks_and_abort_frees_kv(ray_cluster: Non
             constrained = await asyncio.gather(*(collect(rep, p, regex) for p in prompts))
             texts = [rep.tokenizer.decode(o["tokens"], skip_special_tokens=True) for o in constrained]
             assert all(len(t) == 3 and t.isdigit() for t in texts), texts
-            per_rank = await rep.sampled_tokens()
+            per_rank = await settled_samples(rep)
             assert per_rank[0] == per_rank[1]
             # Abort long requests mid-flight by dropping their consumers.
             long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
