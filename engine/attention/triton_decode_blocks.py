@@ -116,9 +116,14 @@ def attend_share(  # type: ignore[no-untyped-def]  # pointers, tensors and const
     v_new = tl.load(row + (HQ + HKV + h) * D + d[None, :])  # [1, D]
 
     # The first program of a row owns the new token: it stores its K/V and starts its softmax from it.
-    tl.store(k_cache_ptr + slot * D + half[None, :], k1, mask=first & (half < D // 2)[None, :])
-    tl.store(k_cache_ptr + slot * D + D // 2 + half[None, :], k2, mask=first & (half < D // 2)[None, :])
-    tl.store(v_cache_ptr + slot * D + d[None, :], v_new, mask=first & (d < D)[None, :])
+    # Their masks are `first` over the whole tile, written as a select, not `first & tile`: Triton's CPU
+    # interpreter (3.9) types a comparison's result as its operands' int32, so splatting the scalar `first`
+    # gives int32, not booleans, and it rejects that as a mask. Compiled, the two are the same code.
+    own_half = tl.where(first, (half < D // 2)[None, :], False)
+    own_d = tl.where(first, (d < D)[None, :], False)
+    tl.store(k_cache_ptr + slot * D + half[None, :], k1, mask=own_half)
+    tl.store(k_cache_ptr + slot * D + D // 2 + half[None, :], k2, mask=own_half)
+    tl.store(v_cache_ptr + slot * D + d[None, :], v_new, mask=own_d)
     new_score = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), 1) + tl.sum(
         q2.to(tl.float32) * k2.to(tl.float32), 1
     )

@@ -102,16 +102,7 @@ print(json.dumps(results))
 
 
 def test_matches_the_torch_chain_in_the_interpreter(triton_interpreter: Callable[[str, object], Any]) -> None:
-    import pytest
-
-    try:
-        results = triton_interpreter(SCRIPT, CASES)
-    except AssertionError as failure:
-        # Triton 3.9's CPU interpreter rejects this kernel's masked paged stores (the compiled kernel
-        # takes them); tests/gpu/test_triton_decode.py checks the same cases on the GPU.
-        if "mask has unsupported dtype" in str(failure):
-            pytest.skip("this Triton's interpreter cannot run the kernel's masked stores")
-        raise
+    results = triton_interpreter(SCRIPT, CASES)
     assert len(results) == len(CASES)
     for case, result in zip(CASES, results):
         assert result["error"] < 1e-4, (case, result)
