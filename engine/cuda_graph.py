@@ -13,7 +13,8 @@ from tandem.engine.batch import ForwardBatch
 from tandem.engine.graph_buckets import decode_batch_sizes, padded_size
 from tandem.engine.kernel_plan import KernelPlan, KernelPlanner
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.models.common import CausalLM, ForwardContext
+from tandem.engine.models.common import CausalLM
+from tandem.engine.models.context import ForwardContext
 
 
 @contextlib.contextmanager

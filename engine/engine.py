@@ -18,7 +18,8 @@ from tandem.engine.kernel_plan import EAGER, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.models import model_class
-from tandem.engine.models.common import CausalLM, ForwardContext
+from tandem.engine.models.common import CausalLM
+from tandem.engine.models.context import ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears

@@ -17,7 +17,8 @@ from tandem.engine.batch import ForwardBatch
 from tandem.engine.cuda_graph import capturing
 from tandem.engine.graph_buckets import padded_size, token_buckets
 from tandem.engine.kernel_plan import EAGER, KernelPlan, KernelPlanner
-from tandem.engine.models.common import CausalLM, ForwardContext
+from tandem.engine.models.common import CausalLM
+from tandem.engine.models.context import ForwardContext
 
 PieceFn = Callable[[torch.Tensor | None], torch.Tensor | None]
 

@@ -1,239 +1,34 @@
-"""The decoder blocks shared by every family; a family file only states what differs."""
+"""The decoder shared by every family; a family file only states what differs. The blocks are put
+together here: the MLP, the decoder layer, the body (and its pieces for the piecewise graphs) and the
+causal LM with its logits and checkpoint names. The attention block is in attention.py, and what every
+module is given, in context.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention.base import AttentionBackend, FusedDecode, LayerSpec
+from tandem.engine.attention.base import LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.distributed import TPGroup
 from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.engine.layers.fused import FusedKernels
-from tandem.engine.layers.linear import (
-    ColumnParallelLinear,
-    OutputShard,
-    RowParallelLinear,
-    even_shard,
-    head_shard,
-)
-from tandem.engine.layers.norm import GemmaRMSNorm, RMSNorm
-from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, even_shard
+from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.source import TensorSource
+from tandem.engine.models.attention import Attention
+from tandem.engine.models.context import Build, ForwardContext, Traits
 
-QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [T, H, D]; k and v [T, Hkv, D]
 Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # residual, q, k, v
 
 
 class Loadable(Protocol):
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None: ...
-
-
-@dataclass(frozen=True)
-class Traits:
-    """What sets one family apart from the Llama baseline."""
-
-    gemma_norm: bool = False  # (1 + w) RMS norms
-    sandwich_norms: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
-    embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
-
-
-@dataclass(frozen=True)
-class ForwardContext:
-    """What a forward needs beyond activations: the planned attention backend, the KV pool, and the
-    kernel plan of this shape (a decode graph's, or `EAGER`)."""
-
-    attention: AttentionBackend
-    pool: KVPool
-    plan: KernelPlan = EAGER
-
-
-class Build:
-    """Construction arguments shared by every module of one model."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        traits: Traits,
-        tp: TPGroup,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: FusedKernels | None = None,
-    ) -> None:
-        self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
-        self.kernels = kernels
-
-    def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
-        return ColumnParallelLinear(
-            in_features, shards, bias=bias, dtype=self.dtype, device=self.device, kernels=self.kernels
-        )
-
-    def row(self, in_features: int, out_features: int) -> RowParallelLinear:
-        """Without a bias: no model here has one on its o or down projection."""
-        return RowParallelLinear(
-            in_features,
-            out_features,
-            self.tp,
-            bias=False,
-            dtype=self.dtype,
-            device=self.device,
-            kernels=self.kernels,
-        )
-
-    def norm(self, size: int) -> RMSNorm:
-        cls = GemmaRMSNorm if self.traits.gemma_norm else RMSNorm
-        return cls(size, self.config.rms_norm_eps, dtype=self.dtype, device=self.device, kernels=self.kernels)
-
-
-class Attention(nn.Module):
-    def __init__(self, b: Build, layer_id: int) -> None:
-        super().__init__()
-        c, tp = b.config, b.tp
-        q_shard = head_shard(c.num_heads, c.head_dim, tp)
-        kv_shard = head_shard(c.num_kv_heads, c.head_dim, tp)
-        self.qkv_proj = b.column(c.hidden_size, [q_shard, kv_shard, kv_shard], bias=c.attention_bias)
-        self.o_proj = b.row(c.num_heads * c.head_dim, c.hidden_size)
-        self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
-        self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
-        window = c.window_of(layer_id)
-        self.rotary = RotaryEmbedding(
-            c.rope if window is None else c.rope_local, c.head_dim, b.device, b.kernels
-        )
-        self.spec = LayerSpec(
-            layer_id=layer_id,
-            num_heads=q_shard.size // c.head_dim,
-            num_kv_heads=kv_shard.size // c.head_dim,
-            head_dim=c.head_dim,
-            scale=c.attn_scale,
-            window=window,
-            softcap=c.attn_softcap,
-        )
-        # On CUDA, the per-head norms (where the model has them) and the rope in one Triton launch
-        # when the rope covers the whole head; that launch can also store K/V (`stores_kv`).
-        table = self.rotary.table
-        self.fused_qk = (
-            b.kernels is not None
-            and b.kernels.qk_norm_rope is not None
-            and table is not None
-            and table.shape[-1] == c.head_dim
-            and c.head_dim & (c.head_dim - 1) == 0  # the kernel's blocks span half a head
-        )
-        self.kernels = b.kernels
-
-    def stores_kv(self, ctx: ForwardContext | None) -> bool:
-        """Whether `qkv` under `ctx` writes this step's K/V into the pool itself, so attention must not:
-        with the fused launch, where the backend hands over the new tokens' slots."""
-        return self._store(ctx) is not None
-
-    def _store(self, ctx: ForwardContext | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k cache, v cache, slots) for the fused launch's K/V store under `ctx`, or None."""
-        if ctx is None or not self.fused_qk:
-            return None
-        layer = self.spec.layer_id
-        slots = ctx.attention.new_kv_slots(ctx.pool.layer_group[layer])
-        return None if slots is None else (ctx.pool.k[layer], ctx.pool.v[layer], slots)
-
-    def _fused(
-        self,
-        merged: torch.Tensor,
-        positions: torch.Tensor,
-        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The one Triton launch: the q/k norms where the layer has them, the rope, and with `store`
-        (k cache, v cache, slots) the K/V store."""
-        assert self.kernels is not None and self.kernels.qk_norm_rope is not None
-        assert self.rotary.table is not None
-        s, q_norm, k_norm = self.spec, self.q_norm, self.k_norm
-        return self.kernels.qk_norm_rope(
-            merged,
-            positions,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            self.rotary.table,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            eps=0.0 if q_norm is None else q_norm.eps,
-            gemma=q_norm is not None and q_norm.gemma,
-            kv_cache=store,
-        )
-
-    def warm_up_store(self, pool: KVPool) -> None:
-        """Build the fused launch's store form for eager batches (their own int64 slots) now, at start:
-        otherwise the first eager batch, a long prefill, would wait on a Triton build. It writes one
-        token of zeros into the group's dummy page, which no request owns."""
-        if not self.fused_qk or pool.fp8:  # an FP8 pool is written by the backend's store only
-            return
-        layer = self.spec.layer_id
-        k_cache, v_cache = pool.k[layer], pool.v[layer]
-        slot = pool.dummy_page(pool.layer_group[layer]) * pool.page_size
-        merged = k_cache.new_zeros(1, sum(self.qkv_proj.output_sizes))
-        slots = torch.full((1,), slot, dtype=torch.int64, device=k_cache.device)
-        self._fused(merged, torch.zeros_like(slots), (k_cache, v_cache, slots))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """From the layer's normed input to the attention output [T, H * D], before the o projection."""
-        group = ctx.pool.layer_group[self.spec.layer_id]
-        # The plan picks the route: the one launch (where this layer's KV group is served), else the
-        # q/k/v step (storing K/V itself where it can) and the backend's attention.
-        fused = ctx.attention.fused_decode(group) if ctx.plan.fused_decode and self.fused_qk else None
-        if fused is not None:
-            return self._fused_decode(self.qkv_proj(x, ctx.plan), positions, ctx, fused)
-        q, k, v = self.qkv(positions, x, ctx.plan, ctx)
-        return ctx.attention.forward(self.spec, q, k, v, ctx.pool, stored=self.stores_kv(ctx))
-
-    def _fused_decode(
-        self, merged: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, fused: FusedDecode
-    ) -> torch.Tensor:
-        """A small decode graph's one launch: norms, rope, K/V store, attention and merge."""
-        assert self.kernels is not None and self.kernels.decode_rope_attention is not None
-        assert self.rotary.table is not None
-        s, q_norm, k_norm, layer = self.spec, self.q_norm, self.k_norm, self.spec.layer_id
-        return self.kernels.decode_rope_attention(
-            merged,
-            positions,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            self.rotary.table,
-            (ctx.pool.k[layer], ctx.pool.v[layer]),
-            fused.pages,
-            fused.old_lens,
-            fused.slots,
-            fused.scratch,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            eps=0.0 if q_norm is None else q_norm.eps,
-            gemma=q_norm is not None and q_norm.gemma,
-            scale=s.scale,
-            page_size=fused.page_size,
-            splits=fused.splits,
-            block_n=fused.block_n,
-            pdl=ctx.plan.pdl,
-        )
-
-    def qkv(
-        self, positions: torch.Tensor, x: torch.Tensor, plan: KernelPlan, ctx: ForwardContext | None = None
-    ) -> QKV:
-        """Everything before the attention kernel: projection, per-head norms and rope; with `ctx`,
-        also the K/V store where `stores_kv(ctx)` (k then comes back as the layer's K cache)."""
-        s = self.spec
-        merged = self.qkv_proj(x, plan)
-        q, k, v = merged.split(self.qkv_proj.output_sizes, dim=-1)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if self.fused_qk:
-            q, k = self._fused(merged, positions, self._store(ctx))
-            return q, k, v
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return q, k, v
 
 
 class MLP(nn.Module):

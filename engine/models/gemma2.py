@@ -1,7 +1,8 @@
 """Gemma 2: alternating window/global layers, attention and final logit soft-capping, sandwich
 norms with (1 + w) scales, and embeddings scaled by sqrt(hidden_size)."""
 
-from tandem.engine.models.common import CausalLM, Traits
+from tandem.engine.models.common import CausalLM
+from tandem.engine.models.context import Traits
 
 
 class Gemma2ForCausalLM(CausalLM):

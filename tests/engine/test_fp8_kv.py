@@ -67,7 +67,7 @@ def _prefill_logits(model_dir: Path, prompt: list[int], **options: object) -> to
     """Last-token logits of one prefill through the engine; attention reads the prompt's K/V back from
     the pool, so an FP8 pool shows in them."""
     from tandem.engine.batch import AttentionGroupBatch, ForwardBatch, SamplingBatch
-    from tandem.engine.models.common import ForwardContext
+    from tandem.engine.models.context import ForwardContext
 
     config = resolve_engine_config(model_dir, device="cpu", page_size=4, num_pages=64, **options)
     engine = Engine(config, TPGroup(), StreamSet(torch.device("cpu")))

@@ -16,7 +16,7 @@ from tandem.engine.batch import AttentionGroupBatch, ForwardBatch, SamplingBatch
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
-from tandem.engine.models.common import ForwardContext
+from tandem.engine.models.context import ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.streams import StreamSet
 

@@ -58,7 +58,7 @@ def prefill_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
         False,
     )
     engine.attention.plan(batch)
-    from tandem.engine.models.common import ForwardContext
+    from tandem.engine.models.context import ForwardContext
 
     with torch.inference_mode():
         hidden = engine.model(batch.input_ids, batch.positions, ForwardContext(engine.attention, engine.pool))
