@@ -62,6 +62,13 @@ async def _route(router: PrefixAffinityRouter, replicas: list[FakeReplica], body
     return str(ranks[0][0].replica_id.unique_id)
 
 
+async def _new_tenants(
+    router: PrefixAffinityRouter, replicas: list[FakeReplica], name: str, n: int
+) -> list[str]:
+    """Where `n` requests with new ~200-character prefixes go, one after another."""
+    return [await _route(router, replicas, {"prompt": f"{name} {p}: " + "policy " * 30}) for p in range(n)]
+
+
 def test_routing_text_reads_prompts_and_messages() -> None:
     assert routing_text([{"prompt": "You are terse. Hi"}]) == "You are terse. Hi"
     assert routing_text([{"prompt": ["first", "second"]}]) == "first"
@@ -112,15 +119,13 @@ def test_an_overloaded_affine_replica_is_passed_over() -> None:
     assert held == first and moved != first
 
 
-def test_new_prefixes_spread_by_load_whatever_was_cached_before() -> None:
+def test_new_prefixes_spread_evenly_whatever_was_cached_before() -> None:
     async def run() -> list[str]:
         replicas = [FakeReplica("a"), FakeReplica("b")]
         router = await _router(replicas)
         for i in range(20):  # unrelated traffic, all on one replica (its prompts match each other)
             await _route(router, replicas, {"prompt": f"health probe {i:02d} of the service"})
-        # A burst of new prefixes, before any load report could show it.
-        bodies = [{"prompt": f"tenant {p}: " + "policy " * 30} for p in range(8)]
-        return [await _route(router, replicas, body) for body in bodies]
+        return await _new_tenants(router, replicas, "tenant", 8)  # before any load report shows them
 
     picks = asyncio.run(run())
     # The probes' family counts as one prefix on "a": nine prefixes, five and four.
@@ -132,8 +137,7 @@ def test_a_stale_load_report_does_not_send_a_burst_of_new_prefixes_to_one_replic
         # "b" last reported the one request it was running a second ago; "a" reported none.
         replicas = [FakeReplica("a"), FakeReplica("b", ongoing=1)]
         router = await _router(replicas)
-        bodies = [{"prompt": f"tenant {p}: " + "policy " * 30} for p in range(8)]
-        return [await _route(router, replicas, body) for body in bodies]
+        return await _new_tenants(router, replicas, "tenant", 8)
 
     picks = asyncio.run(run())
     # Load first would put all eight on "a", whose cache then holds every prefix; the difference of one
@@ -145,12 +149,10 @@ def test_a_replica_added_later_takes_its_share_of_new_prefixes_not_all() -> None
     async def run() -> list[str]:
         replicas = [FakeReplica("a"), FakeReplica("b")]
         router = await _router(replicas)
-        for p in range(10):
-            await _route(router, replicas, {"prompt": f"early tenant {p}: " + "policy " * 30})
+        await _new_tenants(router, replicas, "early tenant", 10)
         replicas.append(FakeReplica("c"))  # an autoscaled replica joins
         router.update_replicas(replicas)  # type: ignore[arg-type]
-        bodies = [{"prompt": f"late tenant {p}: " + "rules " * 30} for p in range(6)]
-        return [await _route(router, replicas, body) for body in bodies]
+        return await _new_tenants(router, replicas, "late tenant", 6)
 
     picks = asyncio.run(run())
     assert sorted(picks) == ["a"] * 2 + ["b"] * 2 + ["c"] * 2, picks
