@@ -175,6 +175,3 @@ class BitmaskFiller:
         if live:
             self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
         return bitmask
-
-    def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
