@@ -62,32 +62,88 @@ def offline_side(model_dir: str, num_seqs: int, vocab: int, max_len: int) -> dic
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     # The engine's batch-1 decode step: one request's long and short runs, difference over the extra tokens.
-    step = []
+    step, phases = [], {}
     for n in (32, 32 + max_len):
+        llm.runtime.scheduler.timer.reset()
         t = time.perf_counter()
         llm.generate(
             [requests[0][0]], SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True), use_tqdm=False
         )
         step.append(time.perf_counter() - t)
+        phases = llm.runtime.scheduler.timer.summary()
     llm.shutdown()
     return {
         "output_tokens": tokens,
         "seconds": round(elapsed, 3),
         "tok_s": round(tokens / elapsed, 1),
         "b1_decode_ms": round((step[1] - step[0]) / max_len * 1e3, 4),
+        "b1_step_phases": phases,  # the long run's loop phases (scheduler/step_timer.py)
     }
 
 
-def run_offline(model_dir: Path, num_seqs: int, vocab: int, max_len: int) -> dict[str, Any]:
+def actor_side(model_dir: str, vocab: int, max_len: int, device: str) -> dict[str, Any]:
+    """The same batch-1 decode step with the rank in a Ray actor, as `tandem serve` runs it, driven
+    through `LLMReplica` in this process (no Serve, no HTTP): what the actor itself adds to a step."""
+    import ray
+
+    from tandem import SamplingParams
+    from tandem.replicas.llm_replica import LLMReplica
+
+    prompt = workload(1, vocab, max_len)[0][0]
+
+    async def run() -> dict[str, Any]:
+        replica = LLMReplica(model_dir, device=device)
+        await replica.start()
+        try:
+            step, phases = [], {}
+            for n in (8, 32, 32 + max_len):  # the first is a warm-up
+                before = await replica.stats()
+                t = time.perf_counter()
+                async for _ in replica.generate(
+                    prompt, SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True)
+                ):
+                    pass
+                step.append(time.perf_counter() - t)
+                phases = _phase_delta(
+                    before.get("step_phases", {}), (await replica.stats()).get("step_phases", {})
+                )
+        finally:
+            await replica.shutdown(drain_timeout_s=5)
+        return {"b1_decode_ms": round((step[2] - step[1]) / max_len * 1e3, 4), "b1_step_phases": phases}
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        return asyncio.run(run())
+    finally:
+        ray.shutdown()
+
+
+def _phase_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per phase, the calls and mean ms between two `step_phases` snapshots of one loop."""
+    out = {}
+    for name, end in after.items():
+        start = before.get(name, {"total_s": 0.0, "calls": 0})
+        calls = end["calls"] - start["calls"]
+        if calls > 0:
+            out[name] = {
+                "calls": calls,
+                "mean_ms": round(1e3 * (end["total_s"] - start["total_s"]) / calls, 4),
+            }
+    return out
+
+
+def run_side(function: str, *args: Any) -> dict[str, Any]:
+    """`function(*args)` of this module in a fresh process, so no side holds GPU memory after it."""
+    call = f"{function}({', '.join(repr(a) for a in args)})"
     code = (
-        "import json, sys; from tandem.benchmarks.online_vs_offline import offline_side; "
-        f"print('RESULT ' + json.dumps(offline_side({str(model_dir)!r}, {num_seqs}, {vocab}, {max_len})))"
+        "import json; from tandem.benchmarks import online_vs_offline as m; "
+        f"print('RESULT ' + json.dumps(m.{call}))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT ") :]))
-    raise RuntimeError(f"the offline side failed:\n{proc.stderr[-4000:]}")
+    raise RuntimeError(f"{function} failed:\n{proc.stderr[-4000:]}")
 
 
 # ---- the online side -------------------------------------------------------------------------------
@@ -245,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the weights were drawn on the GPU; the servers need it whole
         print(f"== {name}: offline, vocab {vocab}", flush=True)
-        offline = run_offline(model_dir, args.num_seqs, vocab, args.max_len)
+        offline = run_side("offline_side", str(model_dir), args.num_seqs, vocab, args.max_len)
+        if name == "main":
+            print(f"== {name}: batch-1 step with the rank in a Ray actor", flush=True)
+            offline["actor"] = run_side("actor_side", str(model_dir), vocab, args.max_len, device.type)
         print(f"== {name}: online, vocab {vocab}", flush=True)
         online = run_online(model_dir, args.num_seqs, vocab, args.max_len, args.solo_requests)
         sides[name] = {"vocab": vocab, "offline": offline, "online": online}
@@ -291,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             "itl_ms": _pcts(main_case["online"]["concurrency_1"]["itl_ms"]),
             "tokens_per_event": main_case["online"]["concurrency_1"]["tokens_per_event"],
             "engine_b1_decode_ms": main_case["offline"]["b1_decode_ms"],
+            "actor_b1_decode_ms": main_case["offline"]["actor"]["b1_decode_ms"],
+            "b1_step_phases": {
+                "in_process": main_case["offline"]["b1_step_phases"],
+                "actor": main_case["offline"]["actor"]["b1_step_phases"],
+            },
         },
         "max_ongoing_requests": main_case["online"]["max_ongoing_requests"],
         "ingress": main_case["online"]["ingress"],
@@ -321,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(str(c) for c in row))
     print(
         f"concurrency 1: ITL p50 {solo['itl_ms']['p50']} ms, engine b1 step "
-        f"{main_case['offline']['b1_decode_ms']} ms, {solo['tokens_per_event']} tokens/event"
+        f"{main_case['offline']['b1_decode_ms']} ms in process, "
+        f"{main_case['offline']['actor']['b1_decode_ms']} ms in a Ray actor, "
+        f"{solo['tokens_per_event']} tokens/event"
     )
     return 0 if loaded["failed"] == 0 else 1
 

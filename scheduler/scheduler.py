@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -327,8 +327,11 @@ class Scheduler:
                 self._sample(pending)
         return ongoing
 
-    def stats(self) -> dict[str, int | list[int]]:
-        stats = self.kv.stats()
+    def stats(self) -> dict[str, Any]:
+        """KV and queue counts, and the loop's wall time per phase since it started (`step_phases`,
+        step_timer.py), so a rank inside a Ray actor can be compared with one run in process."""
+        stats: dict[str, Any] = dict(self.kv.stats())
         stats["num_running"] = sum(1 for r in self.running.values() if r.finish_reason is None)
         stats["num_waiting"] = len(self.waiting)
+        stats["step_phases"] = self.timer.summary()
         return stats
