@@ -30,8 +30,8 @@ from tandem.engine.tiny.tokenizer import (
     IM_END_TOKEN,
     IM_START_TOKEN,
     MODEL_MAX_LENGTH,
-    chat_template,
     corpus_text,
+    wrap_backend,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,16 +86,7 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token=UNK_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        clean_up_tokenization_spaces=False,
-        model_max_length=MODEL_MAX_LENGTH,
-        chat_template=chat_template(),
-    )
+    return wrap_backend(tok, unk_token=UNK_TOKEN)
 
 
 def portable_tokenizer_config(path: Path) -> None:

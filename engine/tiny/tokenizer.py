@@ -67,8 +67,15 @@ def load_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast
     backend = train_tiny_backend()
     if vocab_size != VOCAB_SIZE:
         backend = widen_backend(backend, vocab_size)
+    return wrap_backend(backend)
+
+
+def wrap_backend(backend: Tokenizer, **extra: str) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend with the tiny models' specials and ChatML template, for transformers
+    (`extra`: more special tokens, e.g. the demo tokenizer's `unk_token`)."""
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
+        **extra,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
