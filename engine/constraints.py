@@ -27,6 +27,7 @@ def constrain_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         rows = out.index_select(0, batch.bitmask_rows)
         vocab = out.shape[-1] if batch.bitmask_vocab is None else min(batch.bitmask_vocab, out.shape[-1])
         xgr.apply_token_bitmask_inplace(rows, batch.bitmask, vocab_size=vocab)
-        rows[:, vocab:] = float("-inf")  # ids with no text, which no grammar accepts
+        if vocab < out.shape[-1]:
+            rows[:, vocab:] = float("-inf")  # ids with no text, which no grammar accepts
         out.index_copy_(0, batch.bitmask_rows, rows)
     return out
