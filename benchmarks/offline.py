@@ -53,6 +53,16 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's size: how many sequences, and the ranges their prompt and output lengths are drawn
+    from (nano-vllm's defaults)."""
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-input", type=int, default=100)
+    parser.add_argument("--max-input", type=int, default=1024)
+    parser.add_argument("--min-output", type=int, default=100)
+    parser.add_argument("--max-output", type=int, default=1024)
+
+
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py draws, in its order: every prompt first, then every output length (133,966
     output tokens at the defaults). Its ids come from randint(0, 10000), which includes 10000 (12 of the
@@ -205,11 +215,7 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="128 sequences, outputs up to 512, fewer ablations"
     )
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input", type=int, default=100)
-    parser.add_argument("--max-input", type=int, default=1024)
-    parser.add_argument("--min-output", type=int, default=100)
-    parser.add_argument("--max-output", type=int, default=1024)
+    add_workload_args(parser)
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
     parser.add_argument(
         "--ablations",

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from tandem import LLM, SamplingParams
-from tandem.benchmarks.offline import pages_for, workload
+from tandem.benchmarks.offline import add_workload_args, pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
 
 # Kernel name fragment -> kind; the first match wins, so the specific fragments come first.
@@ -63,11 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input", type=int, default=100)
-    parser.add_argument("--max-input", type=int, default=1024)
-    parser.add_argument("--min-output", type=int, default=100)
-    parser.add_argument("--max-output", type=int, default=1024)
+    add_workload_args(parser)
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
     prompts, params = workload(args)

@@ -25,7 +25,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
-from tandem.benchmarks.offline import pages_for, workload
+from tandem.benchmarks.offline import add_workload_args, pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
 from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.sampling_params import StructuredOutputs
@@ -88,11 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-input", type=int, default=100)
-    parser.add_argument("--max-input", type=int, default=1024)
-    parser.add_argument("--min-output", type=int, default=100)
-    parser.add_argument("--max-output", type=int, default=1024)
+    add_workload_args(parser)
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=8192)
