@@ -12,6 +12,8 @@ racing a thread would break.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -141,18 +143,30 @@ class GrammarState:
         return not self.refused
 
 
+def fill_threads() -> int:
+    """Threads for a batch fill: half the cores this process may run on, at most 8.
+
+    Not xgrammar's "auto" (half of `std::thread::hardware_concurrency()`): in a container that counts
+    the host's cores, not the container's share, and a fill split over far more threads than cores
+    waits on the threads it made."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
 class BitmaskFiller:
     """Fills the bitmasks of a batch's constrained rows, the rows' matchers in parallel (xgrammar's
     batch matcher, on half the host's cores): at a few tens of microseconds a row for a JSON schema
     over a 150k vocabulary, a serial fill of a large batch would sit on the step's critical path.
 
-    `start` runs the fill on a worker thread and returns at once: xgrammar's batch fill releases the
-    GIL, so the scheduler processes the previous batch's results meanwhile. The caller must not touch
-    the rows' matchers until the future is done.
+    `start` runs the fill on a worker thread and returns once the fill is under way. The fill releases
+    the GIL, so the scheduler processes the previous batch's results meanwhile; but a thread that has
+    just been handed work needs the GIL to reach that call, and the scheduler's thread, running Python,
+    would only let it go when it blocks or after the interpreter's switch interval. So `start` waits
+    for the worker to signal that it is entering the fill, which is the one hand-over of the GIL that
+    lets the two overlap. The caller must not touch the rows' matchers until the future is done.
     """
 
-    def __init__(self) -> None:
-        self._batch = xgr.BatchGrammarMatcher()
+    def __init__(self, threads: int | str | None = None) -> None:
+        self._batch = xgr.BatchGrammarMatcher(fill_threads() if threads is None else threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
 
     def start(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
@@ -164,14 +178,21 @@ class BitmaskFiller:
         bitmask = torch.empty((len(states), width), dtype=torch.int32, pin_memory=pin)
         bitmask.fill_(-1)  # a failed or finished row is dropped at result time; any token will do
         live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-        return self._worker.submit(self._fill, bitmask, live)
+        started = threading.Event()
+        future = self._worker.submit(self._fill, bitmask, live, started)
+        started.wait()
+        return future
 
     def fill(self, states: list[GrammarState], pin: bool) -> torch.Tensor:
         return self.start(states, pin).result()
 
-    def _fill(self, bitmask: torch.Tensor, live: list[tuple[int, xgr.GrammarMatcher]]) -> torch.Tensor:
+    def _fill(
+        self, bitmask: torch.Tensor, live: list[tuple[int, xgr.GrammarMatcher]], started: threading.Event
+    ) -> torch.Tensor:
         # xgrammar writes the rows through the tensor's pointer: no torch op here, so an inference-mode
         # tensor made on the caller's thread is fine.
+        matchers, rows = [m for _, m in live], [i for i, _ in live]
+        started.set()
         if live:
-            self._batch.batch_fill_next_token_bitmask([m for _, m in live], bitmask, [i for i, _ in live])
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask

@@ -218,3 +218,41 @@ def test_compile_errors_name_the_reason(tiny_model_dir: Any) -> None:
     finally:
         cache.close()
     assert choice_grammar(['a"b', "c"]) == 'root ::= "a\\"b" | "c"'
+
+
+def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
+    """The filler's rows, filled on its worker over two threads while this thread goes on, are each the
+    mask its matcher gives alone; its thread count stays within the cores this process may use."""
+    import os
+    from concurrent.futures import Future
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from tandem.scheduler.grammar import (
+        BitmaskFiller,
+        GrammarState,
+        compile_spec,
+        fill_threads,
+        hf_tokenizer_info,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    info = hf_tokenizer_info(tokenizer, (tokenizer.eos_token_id,))
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    compiled: Future[xgr.CompiledGrammar] = Future()
+    compiled.set_result(compile_spec(compiler, GrammarSpec("json_schema", json.dumps(SCHEMA))))
+    text = '{"name": "ab", "age": 30, "tags": ["red"'  # xgrammar's separators: ", " and ": "
+    states = [GrammarState(compiled) for _ in range(8)]
+    for n, state in enumerate(states):  # each matcher at its own place in the object
+        for token in tokenizer.encode(text[: 5 * n], add_special_tokens=False):
+            assert state.accept(token)
+    masks = BitmaskFiller(threads=2).start(states, pin=False).result()
+    for row, state in enumerate(states):
+        alone = xgr.allocate_token_bitmask(1, state.vocab_size)
+        matcher = state.matcher()
+        assert matcher is not None
+        matcher.fill_next_token_bitmask(alone, 0)
+        assert torch.equal(masks[row], alone[0])
+    assert len({tuple(m.tolist()) for m in masks}) > 1  # the rows really differ
+    assert 1 <= fill_threads() <= max(1, len(os.sched_getaffinity(0)) // 2)
