@@ -323,6 +323,9 @@ class Scheduler:
                 # they fill while the rest of N is processed and the forward of N+1 runs on the device.
                 self._process(last, pending)
         if pending is not None:
+            if pending.bitmask is not None:
+                with self.timer.phase("mask_wait"):  # the fill's time past the rest of the step's host work
+                    pending.bitmask.result()
             with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):
                 self._sample(pending)
         return ongoing
