@@ -1,11 +1,13 @@
-"""Structured outputs' cost: the offline workload (offline.py's 256 requests) run plain, then with every
-other request under a small JSON schema, on the same engine.
+"""Structured outputs' cost: the offline workload (offline.py's 256 requests) with every other request
+under a small JSON schema, then the same requests plain, on the same engine.
 
-Reported: output tokens/s of both runs and their ratio (mixed / plain), and the plain requests' mean
-time per output token (TPOT: first to last token of each, over its tokens after the first) in both, so
-a slowdown of the unconstrained rows shows. Under the schema a random-weight model writes strings and
-integer lists without end, so constrained rows run to max_tokens as the plain ones do (ignore_eos holds
-for both; a constrained row could only stop early by completing its object).
+A random-weight model completes the schema's object now and then, so constrained rows may stop before
+max_tokens. The plain run therefore gives each request the output length it had in the mixed run: both
+runs make the same tokens in the same rows, and their ratio of output tokens/s (mixed / plain) is the
+constraints' cost alone. Also reported: the plain requests' mean time per output token (TPOT: first to
+last token of each, over its tokens after the first) in both runs, so a slowdown of the unconstrained rows
+shows, and the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the mixed run's
+constrained rows ended.
 
     python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
     python benchmarks/structured.py --num-seqs 8 --min-input 16 --max-input 64 --min-output 8 \
@@ -16,18 +18,30 @@ for both; a constrained row could only stop early by completing its object).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import xgrammar as xgr
 
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
 from tandem.benchmarks.offline import add_workload_args, pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
-from tandem.scheduler.messages import TokenOutput
+from tandem.scheduler.grammar import (
+    BitmaskFiller,
+    GrammarState,
+    compile_spec,
+    fill_threads,
+    hf_tokenizer_info,
+)
+from tandem.scheduler.messages import GrammarSpec, TokenOutput
 from tandem.scheduler.sampling_params import StructuredOutputs
 
 SCHEMA: dict[str, Any] = {
@@ -78,10 +92,43 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
         "constrained_requests": len(constrained),
         "constrained_tokens": sum(len(o.token_ids) for o in constrained),
         "constrained_finish_reasons": sorted({str(o.finish_reason) for o in constrained}),
+        "lengths": [len(o.token_ids) for o in outs],
+        "constrained_outputs": [list(o.token_ids) for o in constrained],
         # Loop phases (scheduler/step_timer.py); `masked_sample` is the constrained batches' sample,
         # run after the previous batch's results.
         "step_phases": timer.summary(),
     }
+
+
+def mask_fill(llm: LLM, outputs: list[list[int]], repeats: int = 20) -> dict[str, Any]:
+    """The bitmask fill of one step timed alone: one matcher per constrained output, replayed through a
+    random share of its tokens (mid-object states, as in the run), filled by the scheduler's filler."""
+    rng = random.Random(0)
+    tokenizer = llm.tokenizer
+    info = hf_tokenizer_info(tokenizer, (tokenizer.eos_token_id,))
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    compiled: Future[xgr.CompiledGrammar] = Future()
+    compiled.set_result(compile_spec(compiler, GrammarSpec("json_schema", json.dumps(SCHEMA))))
+    states = []
+    for tokens in outputs:
+        state = GrammarState(compiled)
+        for token in tokens[: rng.randint(0, max(len(tokens) - 1, 0))]:
+            if not state.accept(token) or state.terminated:
+                break
+        states.append(state)
+    out: dict[str, Any] = {
+        "rows": len(states),
+        "threads": fill_threads(),
+        "cpus": {"os.cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))},
+    }
+    for name, threads in (("filler", None), ("one_thread", 1), ("xgrammar_auto", "auto")):
+        filler = BitmaskFiller(threads)
+        filler.fill(states, pin=False)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            filler.fill(states, pin=False)
+        out[f"ms_per_fill_{name}"] = round(1e3 * (time.perf_counter() - start) / repeats, 4)
+    return out
 
 
 def main() -> None:
@@ -116,8 +163,11 @@ def main() -> None:
     # Warm-up of both paths (kernel builds, the schema's compile and xgrammar's tokenizer info).
     warm = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
     llm.generate(prompts[:8], [warm, replace(warm, structured_outputs=schema)] * 4, use_tqdm=False)
-    plain = timed_generate(llm, prompts, plain_params)
     mixed = timed_generate(llm, prompts, mixed_params)
+    plain_params = [replace(p, max_tokens=n) for p, n in zip(plain_params, mixed.pop("lengths"))]
+    plain = timed_generate(llm, prompts, plain_params)
+    plain.pop("lengths")
+    fill = mask_fill(llm, mixed.pop("constrained_outputs"))
     llm.shutdown()
     release_memory()
     ratio = mixed["output_tok_per_s"] / plain["output_tok_per_s"]
@@ -134,17 +184,21 @@ def main() -> None:
             "input_len": [args.min_input, args.max_input],
             "output_len": [args.min_output, args.max_output],
             "constrained": "every other request (odd indices)",
+            "plain_lengths": "each request's output length in the mixed run",
             "schema": SCHEMA,
             "temperature": 0.6,
             "ignore_eos": True,
             **options,
         },
         "runs": {"plain": plain, "mixed": mixed},
+        "mask_fill": fill,
     }
     path = write_result(f"structured-{args.tag}", payload, device=device, out_dir=args.out_dir)
     print(
         f"{path}: plain {plain['output_tok_per_s']:.0f} tok/s, mixed {mixed['output_tok_per_s']:.0f} tok/s, "
-        f"ratio {ratio:.3f}; plain rows' TPOT {plain['plain_tpot_ms']:.2f} -> {mixed['plain_tpot_ms']:.2f} ms"
+        f"ratio {ratio:.3f}; plain rows' TPOT {plain['plain_tpot_ms']:.2f} ->"
+        f" {mixed['plain_tpot_ms']:.2f} ms;"
+        f" mask fill {fill['ms_per_fill_filler']:.2f} ms for {fill['rows']} rows"
     )
 
 
