@@ -2,6 +2,7 @@
 
     python benchmarks/step_trace.py                          # the offline workload, the engine's defaults
     python benchmarks/step_trace.py --engine '{"fused_decode_max_bs": 0}' --tag fused-off
+    python benchmarks/step_trace.py --small-batch     # batch 1 and 8: ms per token and a b1 step's kernels
 
 Each forward (one scheduler step) records an event on the engine stream before and after its launches.
 Per step that gives the device's time on the step (from the stream reaching the step to finishing it) and
@@ -14,6 +15,7 @@ a few µs of host time a step; the run's own tok/s is printed to show they chang
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -76,6 +78,53 @@ def summarize(steps: list[Any], cost: ModelCost, bandwidth: float) -> dict[str, 
     return table
 
 
+def small_batch(llm: LLM, prompts: list[list[int]], cost: ModelCost, bandwidth: float) -> dict[str, Any]:
+    """Decode at batch 1 and 8, measured as a user sees it: one `generate` of N rows, 32 tokens against
+    32 + 1,024, the difference over 1,024 tokens. Then one batch-1 run again under CUDA events (device
+    time and idle per step) and under torch.profiler (each kernel's device time per step), with the
+    loop's host phases, so a slow step splits into host and device work and the device work by kernel."""
+    extra = 1024
+
+    def run(rows: int, tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.6, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([p[:32] for p in prompts[:rows]], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    out: dict[str, Any] = {}
+    for rows in (1, 8):
+        run(rows, 32)  # warm-up: this batch size's graph and kernels
+        short, long = min(run(rows, 32) for _ in range(2)), min(run(rows, 32 + extra) for _ in range(2))
+        out[f"ms_per_token_b{rows}"] = round(1e3 * (long - short) / extra, 4)
+    timer = llm.runtime.scheduler.timer
+    timer.reset()
+    events = StepEvents(llm.runtime.engine)
+    run(1, 32 + extra)
+    llm.runtime.engine.forward = events._forward
+    decode = [s for s in events.steps if s[0]]
+    device_ms = [s[3].elapsed_time(s[4]) for s in decode]
+    idle_ms = [max(a[4].elapsed_time(b[3]), 0.0) for a, b in itertools.pairwise(decode)]
+    floor_ms = 1e3 * (cost.weight_bytes + cost.kv_read_bytes(32 + extra // 2)) / bandwidth
+    steps = 64
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(1, steps)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    per_step = {e.key[:90]: round(e.device_time_total / steps, 2) for e in kernels[:25]}
+    out["breakdown"] = {
+        "device_ms_per_step": round(sum(device_ms) / len(device_ms), 4),
+        "idle_ms_per_step": round(sum(idle_ms) / max(len(idle_ms), 1), 4),
+        "floor_ms_per_step": round(floor_ms, 4),
+        "host_phases": timer.summary(),
+        "kernel_us_per_step": per_step,
+        "kernel_launches_per_step": round(sum(e.count for e in kernels) / steps, 1),
+        "kernel_note": f"torch.profiler over {steps} tokens of one request, prefill included; top 25",
+    }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,6 +137,7 @@ def main() -> None:
     parser.add_argument("--max-input", type=int, default=1024)
     parser.add_argument("--min-output", type=int, default=100)
     parser.add_argument("--max-output", type=int, default=1024)
+    parser.add_argument("--small-batch", action="store_true", help="batch 1 and 8 (step-b1-<tag>.json)")
     args = parser.parse_args()
     options = json.loads(args.engine)
     device = torch.device("cuda")
@@ -106,6 +156,15 @@ def main() -> None:
         **options,
     )
     llm.generate(prompts[:8], SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True), use_tqdm=False)
+    if args.small_batch:
+        payload = {"config": {"model": "qwen3-0.6b shape", "engine": options}, "ceilings": ceilings}
+        payload |= small_batch(llm, prompts, cost, bandwidth)
+        payload["config"]["switches"] = llm.runtime.engine.config.switches()
+        llm.shutdown()
+        write_result(f"step-b1-{args.tag or 'h200'}", payload, device=device, out_dir=args.out_dir)
+        print(json.dumps({k: v for k, v in payload.items() if k.startswith("ms_")}))
+        print(json.dumps(payload["breakdown"], indent=1))
+        return
     events = StepEvents(llm.runtime.engine)
     torch.cuda.synchronize()
     start = time.perf_counter()
