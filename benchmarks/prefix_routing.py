@@ -49,6 +49,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prefixes": 16, "prefix_tokens": 1000, "requests": 512, "concurrency": 64, "max_tokens": 64,
         "replicas": 2, "phases": "routed,default", "probe_requests": 50, "shape": "qwen3-0.6b",
     },
+    # The same workload where the prefixes (~16.6k tokens) fit in two replicas' KV but not in one's.
+    "h200-kv-bound": {
+        "prefixes": 16, "prefix_tokens": 1000, "requests": 512, "concurrency": 64, "max_tokens": 64,
+        "replicas": 2, "phases": "routed,default", "probe_requests": 50, "shape": "qwen3-0.6b",
+        "kv_tokens": 12000,
+    },
 }  # fmt: skip
 _WORDS = [
     *["time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school"],
@@ -150,10 +156,15 @@ def _model(args: argparse.Namespace) -> tuple[str, int]:
     import torch
 
     from tandem.benchmarks.shapes import SHAPES, write_random_model
+    from tandem.engine.tiny.tokenizer import VOCAB_SIZE
 
     family, shape = SHAPES[args.shape]
     cache = Path(os.environ.get("TANDEM_BENCH_MODELS", Path.home() / ".cache" / "tandem" / "bench-models"))
-    path = write_random_model(cache / args.shape, family, device=torch.device("cuda"), **shape)
+    # A vocabulary equal to the tiny tokenizer's, so every token is text and the first content chunk
+    # comes with the first token (a wide head would make most tokens textless: TTFT would be wrong).
+    shape = {**shape, "vocab_size": VOCAB_SIZE}
+    path = cache / f"{args.shape}-v{VOCAB_SIZE}"
+    path = write_random_model(path, family, device=torch.device("cuda"), **shape)
     page = 16
     kv_tokens = args.kv_tokens
     if kv_tokens is None:  # half of one engine's pool at mem_fraction 0.85, weights (bf16) taken out
@@ -162,7 +173,7 @@ def _model(args: argparse.Namespace) -> tuple[str, int]:
         token_bytes = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
         kv_tokens = int((free - 0.15 * total - weights) / token_bytes / 2)
     args.kv_tokens = kv_tokens
-    return str(path), {"num_pages": max(64, kv_tokens // page), "page_size": page}
+    return str(path), page
 
 
 def _app_args(args: argparse.Namespace, phase: str, model: str | None, page: int) -> dict[str, Any]:
@@ -244,6 +255,7 @@ async def _phase(
         "replica_hit_tokens": after.get("prefix_cache_hit_tokens", 0)
         - before.get("prefix_cache_hit_tokens", 0),
         "usage_hit_tokens": cached + probe_hits,
+        "per_replica_prefix_cache": after.get("per_replica_prefix_cache"),
         "ttft_ms": _percentiles([r["ttft_s"] * 1e3 for r in ok]),
         "probe_ttft_ms": _percentiles([r["ttft_s"] * 1e3 for r in probe if r["error"] is None]),
         "requests_per_s": len(ok) / seconds,

@@ -27,6 +27,11 @@ def aggregate_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[key] = max(current, value) if "peak" in key else current + value
     total["num_replicas"] = len(per_replica)
+    # Where the prompts went: each replica's prefix-cache lookups (its prompt tokens) and hits.
+    total["per_replica_prefix_cache"] = [
+        {key: stats.get(key, 0) for key in ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")}
+        for stats in per_replica
+    ]
     return total
 
 

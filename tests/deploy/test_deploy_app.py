@@ -144,7 +144,9 @@ def test_aggregate_stats() -> None:
     assert total["kv_pages_used"] == 5 and total["kv_pages_used_per_group"] == [5, 1]
     assert total["kv_pages_peak_per_group"] == [5, 2] and total["kv_group_windows"] == [0, 4]
     assert total["num_replicas"] == 2
-    assert aggregate_stats([]) == {"num_replicas": 0}
+    hits = [{"prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}] * 2
+    assert total["per_replica_prefix_cache"] == hits
+    assert aggregate_stats([]) == {"num_replicas": 0, "per_replica_prefix_cache": []}
 
 
 class _Recorder:
