@@ -12,7 +12,6 @@ racing a thread would break.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -143,19 +142,10 @@ class GrammarState:
         return not self.refused
 
 
-def fill_threads() -> int:
-    """Threads for a batch fill: half the cores this process may run on, at most 8.
-
-    Not xgrammar's "auto" (half of `std::thread::hardware_concurrency()`): in a container that counts
-    the host's cores, not the container's share, and a fill split over far more threads than cores
-    waits on the threads it made."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-
-
 class BitmaskFiller:
-    """Fills the bitmasks of a batch's constrained rows, the rows' matchers in parallel (xgrammar's
-    batch matcher, on half the host's cores): at a few tens of microseconds a row for a JSON schema
-    over a 150k vocabulary, a serial fill of a large batch would sit on the step's critical path.
+    """Fills the bitmasks of a batch's constrained rows with xgrammar's batch matcher, on one thread: on
+    the H200 host, splitting a fill over more threads made it slower, not faster (`mask_fill` in
+    benchmarks/structured.py times both).
 
     `start` runs the fill on a worker thread and returns once the fill is under way. The fill releases
     the GIL, so the scheduler processes the previous batch's results meanwhile; but a thread that has
@@ -165,8 +155,8 @@ class BitmaskFiller:
     lets the two overlap. The caller must not touch the rows' matchers until the future is done.
     """
 
-    def __init__(self, threads: int | str | None = None) -> None:
-        self._batch = xgr.BatchGrammarMatcher(fill_threads() if threads is None else threads)
+    def __init__(self, threads: int | str = 1) -> None:
+        self._batch = xgr.BatchGrammarMatcher(threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
 
     def start(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
