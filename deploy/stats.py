@@ -27,11 +27,10 @@ def aggregate_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[key] = max(current, value) if "peak" in key else current + value
     total["num_replicas"] = len(per_replica)
-    # Where the prompts went: each replica's prefix-cache lookups (its prompt tokens) and hits.
-    total["per_replica_prefix_cache"] = [
-        {key: stats.get(key, 0) for key in ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")}
-        for stats in per_replica
-    ]
+    if any("prefix_cache_query_tokens" in stats for stats in per_replica):
+        # Where the prompts went: each replica's prefix-cache lookups (its prompt tokens) and hits.
+        keys = ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")
+        total["per_replica_prefix_cache"] = [{k: stats.get(k, 0) for k in keys} for stats in per_replica]
     return total
 
 

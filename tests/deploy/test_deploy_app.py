@@ -144,9 +144,13 @@ def test_aggregate_stats() -> None:
     assert total["kv_pages_used"] == 5 and total["kv_pages_used_per_group"] == [5, 1]
     assert total["kv_pages_peak_per_group"] == [5, 2] and total["kv_group_windows"] == [0, 4]
     assert total["num_replicas"] == 2
-    hits = [{"prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0}] * 2
-    assert total["per_replica_prefix_cache"] == hits
-    assert aggregate_stats([]) == {"num_replicas": 0, "per_replica_prefix_cache": []}
+    assert "per_replica_prefix_cache" not in total  # these replicas report no prefix cache
+    per_replica[1] |= {"prefix_cache_query_tokens": 40, "prefix_cache_hit_tokens": 16}
+    assert aggregate_stats(per_replica)["per_replica_prefix_cache"] == [
+        {"prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0},
+        {"prefix_cache_query_tokens": 40, "prefix_cache_hit_tokens": 16},
+    ]
+    assert aggregate_stats([]) == {"num_replicas": 0}
 
 
 class _Recorder:
