@@ -181,8 +181,10 @@ class BitmaskFiller:
     ) -> torch.Tensor:
         # xgrammar writes the rows through the tensor's pointer: no torch op here, so an inference-mode
         # tensor made on the caller's thread is fine.
-        matchers, rows = [m for _, m in live], [i for i, _ in live]
-        started.set()
+        try:
+            matchers, rows = [m for _, m in live], [i for i, _ in live]
+        finally:
+            started.set()  # whatever happens here, `start` must not wait for ever
         if live:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
