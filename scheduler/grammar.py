@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import xgrammar as xgr
@@ -155,7 +155,7 @@ class BitmaskFiller:
     lets the two overlap. The caller must not touch the rows' matchers until the future is done.
     """
 
-    def __init__(self, threads: int | str = 1) -> None:
+    def __init__(self, threads: int | Literal["auto"] = 1) -> None:
         self._batch = xgr.BatchGrammarMatcher(threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
 
