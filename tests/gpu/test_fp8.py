@@ -1,7 +1,8 @@
 """FP8 on the GPU: the `_scaled_mm` GEMM with per-token activation scales against bf16 on the same
 dequantized weights, inside a CUDA graph; an FP8 checkpoint and dynamic FP8 run with every switch on
 (decode and piecewise graphs, Triton kernels) and give the greedy tokens of the same FP8 model run
-eagerly; TP=2 (two GPUs) shards the scales with the weights."""
+eagerly, up to choices within FP8's rounding noise (`FP8_NEAR_TIE`); TP=2 (two GPUs) shards the scales
+with the weights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ pytestmark = [
 ]
 
 GREEDY_TOKENS = 32
+# Dynamic FP8 rounds every activation to 3 mantissa bits per token. A last-bit difference in a GEMM's
+# output (another kernel for another batch shape, as graphs' padded batches take) moves some elements
+# across an FP8 rounding boundary, a step of up to 1/8 of their value; over the layers that turns bf16's
+# last-bit noise into log-probability differences of a few tenths of a nat at the random models' flat
+# choices. A wrong scale or a stale buffer in a graph is off by far more. The test checks this tolerance
+# against the same eager model with other batch shapes.
+FP8_NEAR_TIE = 0.5  # nats
 OFF: dict[str, Any] = {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False}
 
 
@@ -82,7 +90,7 @@ def test_fp8_graphs_match_fp8_eager(
     layout: str,
     gpu_model_dir: Callable[[str], Path],
     tmp_path: Path,
-    assert_same_greedy: Callable[[list[Any], list[Any]], None],
+    assert_same_greedy: Callable[..., None],
 ) -> None:
     from tandem.engine.quant.fp8_export import write_fp8_checkpoint
 
@@ -96,7 +104,10 @@ def test_fp8_graphs_match_fp8_eager(
     outs, layers = _greedy(model_dir, prompts, **extra)
     assert layers == eager_layers == 4 * 2  # qkv, o, gate/up and down in both layers
     assert all(len(o.token_ids) == GREEDY_TOKENS for o in outs)
-    assert_same_greedy(expected, outs)
+    # FP8's own noise: the same eager model four prompts at a time, so its GEMMs take other shapes.
+    regrouped, _ = _greedy(model_dir, prompts, **OFF, **extra, max_running=4)
+    assert_same_greedy(expected, regrouped, FP8_NEAR_TIE)  # else the tolerance is below FP8's own noise
+    assert_same_greedy(expected, outs, FP8_NEAR_TIE)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
