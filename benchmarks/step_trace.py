@@ -15,8 +15,10 @@ a few µs of host time a step; the run's own tok/s is printed to show they chang
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import json
+import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -78,6 +80,29 @@ def summarize(steps: list[Any], cost: ModelCost, bandwidth: float) -> dict[str, 
     return table
 
 
+def host_profile(profiler: cProfile.Profile, steps: int, top: int = 40) -> dict[str, list[Any]]:
+    """The host's functions by own time and by cumulative time, µs per step (cProfile's overhead
+    included, so each figure is an upper bound; the ranking is what matters)."""
+    stats = pstats.Stats(profiler)
+    entries = [
+        (f"{Path(file).name}:{line}:{name}", calls, own, cumulative)
+        for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
+
+    def table(key: int) -> list[Any]:
+        ranked = sorted(entries, key=lambda e: -e[key])[:top]
+        return [
+            [where, round(calls / steps, 2), round(1e6 * own / steps, 1), round(1e6 * cum / steps, 1)]
+            for where, calls, own, cum in ranked
+        ]
+
+    return {
+        "columns": ["function", "calls", "own_us", "cumulative_us"],
+        "by_own": table(2),
+        "by_cumulative": table(3),
+    }
+
+
 def small_batch(llm: LLM, prompts: list[list[int]], cost: ModelCost, bandwidth: float) -> dict[str, Any]:
     """Decode at batch 1 and 8, measured as a user sees it: one `generate` of N rows, 32 tokens against
     32 + 1,024, the difference over 1,024 tokens. Then one batch-1 run again under CUDA events (device
@@ -110,6 +135,10 @@ def small_batch(llm: LLM, prompts: list[list[int]], cost: ModelCost, bandwidth: 
     steps = 64
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(1, steps)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run(1, 32 + 256)
+    profiler.disable()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: -e.device_time_total)
     per_step = {e.key[:90]: round(e.device_time_total / steps, 2) for e in kernels[:25]}
@@ -121,6 +150,7 @@ def small_batch(llm: LLM, prompts: list[list[int]], cost: ModelCost, bandwidth: 
         "kernel_us_per_step": per_step,
         "kernel_launches_per_step": round(sum(e.count for e in kernels) / steps, 1),
         "kernel_note": f"torch.profiler over {steps} tokens of one request, prefill included; top 25",
+        "host_profile_us_per_step": host_profile(profiler, 32 + 256),
     }
     return out
 

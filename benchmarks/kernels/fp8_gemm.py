@@ -1,0 +1,145 @@
+"""FP8 GEMMs of the Llama-3.1-8B linears on their own, in CUDA graphs, against bf16 (GPU only).
+
+Per layer shape and row count, µs per call and the share of the copy bandwidth its weight bytes reach:
+- `bf16`: F.linear on the bf16 weight (cuBLAS), the baseline;
+- `w8a8_torch`: per-token activation scales in torch ops, then `torch._scaled_mm` (Fp8MatMul before the
+  one-launch quantizer);
+- `w8a8`: the one-launch quantizer (engine/quant/triton_fp8.py), then `torch._scaled_mm`;
+- `wonly_<n>x<k>`: the weight-only Triton GEMM with per-channel scales, tile n x k (up to 16 rows);
+- `wonly_block`: the same over 128 x 128 block scales;
+- `fi_block`: flashinfer's `fp8_blockscale_gemm_sm90` (bf16 input quantized inside, block scales).
+Each variant's largest error against x times the dequantized weight, relative to the output's largest
+magnitude, is recorded as `<variant>_err`. Weights are cycled over enough copies that L2 serves none.
+
+    python benchmarks/kernels/fp8_gemm.py --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tandem.benchmarks.common import graph_us, measure_ceilings, print_table, write_result
+from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_per_channel
+from tandem.engine.quant.triton_fp8 import fp8_weight_gemm, quantize_per_token
+
+BF16 = torch.bfloat16
+LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 4, 8, 16, 64, 256)
+TILES = ((16, 128, 4, 4), (32, 128, 4, 4), (16, 256, 4, 4), (64, 128, 4, 3), (16, 512, 4, 3))
+
+
+def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    tiles = weight.float().view(n // 128, 128, k // 128, 128)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(n, k)
+    return q, scale.contiguous()
+
+
+def _torch_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    x2 = x.float()
+    xs = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    xq = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s, out_dtype=BF16)
+
+
+def _w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    xq, xs = quantize_per_token(x)
+    return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s, out_dtype=BF16)
+
+
+def _fi_block(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+    return fp8_blockscale_gemm_sm90(x, w, None, s)  # type: ignore[no-any-return]
+
+
+def _variants(rows: int) -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
+    """name -> (which weight set it reads: bf16, channel or block, the call)."""
+    out: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
+        "bf16": ("bf16", lambda x, w, s: F.linear(x, w)),
+        "w8a8_torch": ("channel", _torch_w8a8),
+        "w8a8": ("channel", _w8a8),
+    }
+    if rows <= 16:
+        for bn, bk, warps, stages in TILES:
+            out[f"wonly_{bn}x{bk}"] = (
+                "channel",
+                functools.partial(_wonly, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages),
+            )
+        out["wonly_block"] = ("block", functools.partial(_wonly, block_n=16, block_k=128))
+    out["fi_block"] = ("block", _fi_block)
+    return out
+
+
+def _cycled(
+    call: Callable[..., torch.Tensor], x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], i: int
+) -> torch.Tensor:
+    return call(x, *pairs[i % len(pairs)])
+
+
+def _wonly(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, **tile: Any) -> torch.Tensor:
+    return fp8_weight_gemm(x, w, s.reshape(-1) if s.shape[0] == 1 else s, **tile)
+
+
+def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, Any]]:
+    bf16_bytes = n * k * 2
+    copies = max(2, -(-200_000_000 // (n * k)))
+    weights = [torch.randn(n, k, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
+    channel = [quantize_per_channel(w) for w in weights]
+    sets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {
+        "bf16": [(w, w) for w in weights],
+        "channel": [(q, s.reshape(1, -1).float().contiguous()) for q, s in channel],
+        "block": [_blocks(w) for w in weights],
+    }
+    reference = {
+        "channel": channel[0][0].float() * channel[0][1].float().reshape(-1, 1),
+        "block": sets["block"][0][0].float()
+        * sets["block"][0][1].repeat_interleave(128, 0).repeat_interleave(128, 1),
+    }
+    table = []
+    for rows in ROWS:
+        x = torch.randn(rows, k, dtype=BF16, device="cuda")
+        row: dict[str, Any] = {"layer": name, "n": n, "k": k, "rows": rows}
+        for variant, (kind, call) in _variants(rows).items():
+            pairs = sets[kind]
+            try:
+                got = call(x, *pairs[0]).float()
+                if kind != "bf16":
+                    want = x.float() @ reference[kind].t()
+                    row[f"{variant}_err"] = round(float((got - want).abs().max() / want.abs().max()), 4)
+                us = graph_us(functools.partial(_cycled, call, x, pairs), 2 * len(pairs))
+                row[variant] = round(us, 2)
+                weight_bytes = bf16_bytes if kind == "bf16" else bf16_bytes // 2
+                row[f"{variant}_pct_bw"] = round(100 * weight_bytes / bandwidth / (us * 1e-6), 1)
+            except Exception as exc:  # a kernel this build lacks or a shape it refuses
+                row[variant] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+        table.append(row)
+        print(row, flush=True)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
+    rows = [r for name, (n, k) in LAYERS.items() for r in layer_rows(name, n, k, bandwidth)]
+    config = {"layers": LAYERS, "rows": ROWS, "tiles": TILES}
+    payload = {"config": config, "ceilings": ceilings, "rows": rows}
+    write_result("fp8-gemm-kernels", payload, device=device, out_dir=args.out_dir)
+    columns = ["bf16", "w8a8_torch", "w8a8", "wonly_16x128", "wonly_32x128", "wonly_block", "fi_block"]
+    print_table(rows, ["layer", "rows", *columns])
+
+
+if __name__ == "__main__":
+    main()
