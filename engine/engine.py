@@ -71,9 +71,12 @@ class Engine:
         if fp8 is not None or config.quantization == "fp8":
             # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.
             linears = report.fp8_modules if fp8 is not None else self.model.linear_layers()
-            on_gpu = config.device.type == "cuda"
-            self.fp8_layers = quantize_linears(linears, on_gpu=on_gpu, round_trip=fp8 is None)
-            if on_gpu:  # hand the 16-bit weights' memory back, so the KV pool is sized with it
+            self.fp8_layers = quantize_linears(
+                linears, gemm=config.fp8_gemm, round_trip=fp8 is None, block=fp8.block if fp8 else None
+            )
+            if (
+                config.fp8_gemm is not None
+            ):  # hand the 16-bit weights' memory back, so the KV pool is sized with it
                 torch.cuda.empty_cache()
         self.model.eval()
         self.capture_seconds = 0.0
@@ -183,11 +186,11 @@ class Engine:
             hosts = [t.clone() if t is not None else None for t in tensors]
             done.record()
             return ForwardOutput(result.next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done)  # type: ignore[arg-type]
-        producer = torch.cuda.current_stream(self.config.device)
+        producer = self.streams.current()
         copy = self.streams.copy if self.config.copy_stream else producer
-        assert isinstance(copy, torch.cuda.Stream)
+        assert isinstance(copy, torch.cuda.Stream) and isinstance(producer, torch.cuda.Stream)
         copy.wait_stream(producer)
-        with torch.profiler.record_function("tandem.d2h_copy"), torch.cuda.stream(copy):
+        with self.streams.use(copy):
             hosts = []
             for t in tensors:
                 if t is None:

@@ -33,6 +33,7 @@ class DeviceFacts:
     flashinfer: bool = False  # flashinfer imports
     triton: bool = False  # Triton imports: the fused q/k norm + rope, one-launch decode, small norms
     tinygemm: bool = False  # flashinfer's tinygemm2 module imports
+    fp8_block_gemm: bool = False  # flashinfer's SM90 block-scaled FP8 GEMM is there (Hopper)
 
     @property
     def hopper(self) -> bool:
@@ -52,6 +53,9 @@ class DeviceFacts:
             flashinfer=flashinfer,
             triton=importlib.util.find_spec("triton") is not None,
             tinygemm=flashinfer and _importable("flashinfer.gemm.routergemm"),
+            fp8_block_gemm=flashinfer
+            and props.major == 9
+            and _importable("flashinfer.gemm", "fp8_blockscale_gemm_sm90"),
         )
 
 
@@ -84,6 +88,9 @@ class EngineConfig:
     pdl_max_bs: int = 0
     small_gemm_max_bs: int = 0
     quantization: str | None = None  # "fp8": weights quantized at load; FP8 checkpoints set it too
+    # FP8 layers' GEMM on CUDA (quant/fp8_linear.py): "block" (flashinfer, Hopper) or "scaled_mm"; None
+    # on CPU or without FP8.
+    fp8_gemm: str | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     max_batch_size: int = 256
 
@@ -101,6 +108,7 @@ class EngineConfig:
             "pdl_max_bs": self.pdl_max_bs,
             "small_gemm_max_bs": self.small_gemm_max_bs,
             "quantization": self.quantization,
+            "fp8_gemm": self.fp8_gemm,
             "kv_cache_dtype": None
             if self.kv_cache_dtype is None
             else str(self.kv_cache_dtype).removeprefix("torch."),
@@ -128,12 +136,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _importable(name: str) -> bool:
+def _importable(name: str, attribute: str | None = None) -> bool:
+    """Whether module `name` imports (and has `attribute`, if given)."""
     try:
-        importlib.import_module(name)
+        module = importlib.import_module(name)
     except Exception:  # an incomplete install fails with anything, not only ImportError
         return False
-    return True
+    return attribute is None or hasattr(module, attribute)
 
 
 def _flashinfer_importable() -> bool:
@@ -227,5 +236,10 @@ def resolve_engine_config(
         pdl_max_bs=min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0,
         small_gemm_max_bs=opts.small_gemm_max_bs if hopper_graphs and facts.tinygemm else 0,
         quantization=quantization,
+        fp8_gemm=None
+        if quantization is None or not on_gpu
+        else "block"
+        if facts.fp8_block_gemm
+        else "scaled_mm",
         kv_cache_dtype=kv_dtype,
     )

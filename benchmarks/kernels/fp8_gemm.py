@@ -2,12 +2,12 @@
 
 Per layer shape and row count, µs per call and the share of the copy bandwidth its weight bytes reach:
 - `bf16`: F.linear on the bf16 weight (cuBLAS), the baseline;
-- `w8a8_torch`: per-token activation scales in torch ops, then `torch._scaled_mm` (Fp8MatMul before the
-  one-launch quantizer);
-- `w8a8`: the one-launch quantizer (engine/quant/triton_fp8.py), then `torch._scaled_mm`;
-- `wonly_<n>x<k>`: the weight-only Triton GEMM with per-channel scales, tile n x k (up to 16 rows);
-- `wonly_block`: the same over 128 x 128 block scales;
-- `fi_block`: flashinfer's `fp8_blockscale_gemm_sm90` (bf16 input quantized inside, block scales).
+- `w8a8_torch`: per-token activation scales in torch ops, then `torch._scaled_mm`;
+- `w8a8`: the one-launch quantizer (engine/quant/triton_fp8.py), then `torch._scaled_mm` (the engine's
+  `ScaledMatMul`);
+- `block`: flashinfer's `fp8_blockscale_gemm_sm90` over 128 x 128 block scales (bf16 input, quantized
+  inside), and `block_channel` the same kernel over per-channel scales in its per-row layout (the
+  engine's `BlockScaledMatMul` for block-scaled checkpoints and for dynamic FP8).
 Each variant's largest error against x times the dequantized weight, relative to the output's largest
 magnitude, is recorded as `<variant>_err`. Weights are cycled over enough copies that L2 serves none.
 
@@ -26,21 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.benchmarks.common import graph_us, measure_ceilings, print_table, write_result
-from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_per_channel
-from tandem.engine.quant.triton_fp8 import fp8_weight_gemm, quantize_per_token
+from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_blocks, quantize_per_channel
+from tandem.engine.quant.triton_fp8 import quantize_per_token
 
 BF16 = torch.bfloat16
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 4, 8, 16, 64, 256)
-TILES = ((16, 128, 4, 4), (32, 128, 4, 4), (16, 256, 4, 4), (64, 128, 4, 3), (16, 512, 4, 3))
-
-
-def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k = weight.shape
-    tiles = weight.float().view(n // 128, 128, k // 128, 128)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(n, k)
-    return q, scale.contiguous()
 
 
 def _torch_w8a8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -61,32 +52,21 @@ def _fi_block(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
     return fp8_blockscale_gemm_sm90(x, w, None, s)  # type: ignore[no-any-return]
 
 
-def _variants(rows: int) -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
-    """name -> (which weight set it reads: bf16, channel or block, the call)."""
-    out: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
+def _variants() -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
+    """name -> (which weight set it reads: bf16, channel, block or channel_rows; the call)."""
+    return {
         "bf16": ("bf16", lambda x, w, s: F.linear(x, w)),
         "w8a8_torch": ("channel", _torch_w8a8),
         "w8a8": ("channel", _w8a8),
+        "block": ("block", _fi_block),
+        "block_channel": ("channel_rows", _fi_block),
     }
-    if rows <= 16:
-        for bn, bk, warps, stages in TILES:
-            out[f"wonly_{bn}x{bk}"] = (
-                "channel",
-                functools.partial(_wonly, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages),
-            )
-        out["wonly_block"] = ("block", functools.partial(_wonly, block_n=16, block_k=128))
-    out["fi_block"] = ("block", _fi_block)
-    return out
 
 
 def _cycled(
     call: Callable[..., torch.Tensor], x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], i: int
 ) -> torch.Tensor:
     return call(x, *pairs[i % len(pairs)])
-
-
-def _wonly(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, **tile: Any) -> torch.Tensor:
-    return fp8_weight_gemm(x, w, s.reshape(-1) if s.shape[0] == 1 else s, **tile)
 
 
 def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, Any]]:
@@ -97,10 +77,13 @@ def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, An
     sets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {
         "bf16": [(w, w) for w in weights],
         "channel": [(q, s.reshape(1, -1).float().contiguous()) for q, s in channel],
-        "block": [_blocks(w) for w in weights],
+        "block": [quantize_blocks(w, (128, 128)) for w in weights],
+        "channel_rows": [(q, s[:, None].expand(-1, k // 128).contiguous()) for q, s in channel],
     }
+    per_channel = channel[0][0].float() * channel[0][1].float().reshape(-1, 1)
     reference = {
-        "channel": channel[0][0].float() * channel[0][1].float().reshape(-1, 1),
+        "channel": per_channel,
+        "channel_rows": per_channel,
         "block": sets["block"][0][0].float()
         * sets["block"][0][1].repeat_interleave(128, 0).repeat_interleave(128, 1),
     }
@@ -108,7 +91,7 @@ def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, An
     for rows in ROWS:
         x = torch.randn(rows, k, dtype=BF16, device="cuda")
         row: dict[str, Any] = {"layer": name, "n": n, "k": k, "rows": rows}
-        for variant, (kind, call) in _variants(rows).items():
+        for variant, (kind, call) in _variants().items():
             pairs = sets[kind]
             try:
                 got = call(x, *pairs[0]).float()
@@ -134,10 +117,10 @@ def main() -> None:
     ceilings = measure_ceilings(device)
     bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
     rows = [r for name, (n, k) in LAYERS.items() for r in layer_rows(name, n, k, bandwidth)]
-    config = {"layers": LAYERS, "rows": ROWS, "tiles": TILES}
+    config = {"layers": LAYERS, "rows": ROWS}
     payload = {"config": config, "ceilings": ceilings, "rows": rows}
     write_result("fp8-gemm-kernels", payload, device=device, out_dir=args.out_dir)
-    columns = ["bf16", "w8a8_torch", "w8a8", "wonly_16x128", "wonly_32x128", "wonly_block", "fi_block"]
+    columns = ["bf16", "w8a8_torch", "w8a8", "block", "block_channel"]
     print_table(rows, ["layer", "rows", *columns])
 
 

@@ -15,32 +15,18 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_per_channel
+from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_blocks, quantize_per_channel
 from tandem.engine.weights import safetensors_files
 
 Fp8Layout = Literal["block", "channel", "tensor"]
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled FP8: one scale per `block` (edge blocks cover what is left)."""
-    w = weight.float()
-    rows, cols = w.shape
-    b0, b1 = block
-    nr, nc = -(-rows // b0), -(-cols // b1)
-    padded = torch.zeros(nr * b0, nc * b1)
-    padded[:rows, :cols] = w
-    amax = padded.view(nr, b0, nc, b1).abs().amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    expanded = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
-    return (w / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
 def _quantize(
     weight: torch.Tensor, layout: Fp8Layout, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if layout == "block":
-        return _blocks(weight, block)
+        return quantize_blocks(weight, block)
     if layout == "channel":
         wq, scale = quantize_per_channel(weight)
         return wq, scale.reshape(-1, 1)

@@ -138,6 +138,21 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (float8_e4m3fn [N, K], float32 [ceil(N / b0), ceil(K / b1)]): one scale per `block`
+    (edge blocks cover what is left), on the weight's device."""
+    w = weight.float()
+    rows, cols = w.shape
+    b0, b1 = block
+    nr, nc = -(-rows // b0), -(-cols // b1)
+    padded = torch.zeros(nr * b0, nc * b1, device=w.device)
+    padded[:rows, :cols] = w
+    amax = padded.view(nr, b0, nc, b1).abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    expanded = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return (w / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale.reshape(-1, 1)
 

@@ -1,25 +1,33 @@
-"""FP8 linear layers: weights in float8_e4m3fn with one scale per output channel, GEMMs through
-`torch._scaled_mm` with per-token activation scales computed on the fly (dynamic), on CUDA.
+"""FP8 linear layers: weights in float8_e4m3fn, GEMMs with 16-bit activations in and out, on CUDA.
+
+Two library GEMMs, chosen once per engine (`EngineConfig.fp8_gemm`):
+- `"block"` (Hopper): flashinfer's `fp8_blockscale_gemm_sm90` (DeepGEMM's kernels). It takes the bf16
+  activations and quantizes them itself, per token and 128 columns, inside the GEMM; the weights carry
+  one scale per 128 x 128 block (block-scaled checkpoints keep their own blocks) or one per output
+  channel, stored as the kernel's per-row layout ([N, K / 128], the row's scale repeated), so dynamic
+  FP8 keeps per-channel numerics. On an H200 it beat bf16 cuBLAS at every row count timed, and the
+  `_scaled_mm` route below too (benchmarks/kernels/fp8_gemm.py).
+- `"scaled_mm"` (other FP8 GPUs, or shapes the block kernel refuses): per-token activation scales from
+  one Triton launch, then `torch._scaled_mm` with per-channel weight scales.
 
 On CPU the weights stay in the compute dtype: FP8 checkpoints are read dequantized (fp8_format.py) and
 `quantization="fp8"` rounds them through FP8 and back, so a CPU run is exactly the model whose weights are
 the dequantized FP8 ones, the reference HF transformers runs in the tests. Activations are not quantized
 there.
-
-Block-scaled checkpoints are read dequantized too and, on CUDA, quantized again per output channel: this
-build has no block-scaled GEMM of its own (a dequant fallback to rowwise `_scaled_mm`), so their numerics
-are per-channel FP8's, not the checkpoint's blocks'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tandem.engine.quant.fp8_format import FP8, FP8_MAX, dequantize, quantize_per_channel
+from tandem.engine.quant.fp8_format import dequantize, quantize_blocks, quantize_per_channel
+
+BLOCK = 128  # the block kernel's K granule, and the block size of the checkpoints it serves as is
 
 
 def scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -28,18 +36,46 @@ def scaled_mm_fits(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
-class Fp8MatMul:
-    """The `MatMul` of a linear layer whose weight is FP8 [N, K] with float32 scales [N]:
-    x -> per-token FP8 (scale = the row's largest magnitude / 448) -> `_scaled_mm` in the input dtype."""
+def block_gemm_fits(weight: torch.Tensor) -> bool:
+    """The block kernel takes K a multiple of 128 and N a multiple of 64."""
+    n, k = weight.shape
+    return n % 64 == 0 and k % BLOCK == 0
+
+
+class BlockScaledMatMul:
+    """The `MatMul` of a linear layer whose weight is FP8 [N, K] with float32 scales, either per 128 x 128
+    block [ceil(N / 128), K / 128] or per row [N, K / 128]: flashinfer's SM90 block-scaled GEMM."""
 
     def __init__(self, scale: torch.Tensor) -> None:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90  # CUDA only: imported when a layer is made
+
+        self._gemm: Any = fp8_blockscale_gemm_sm90
+        self.scale = scale.float().contiguous()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
+        out = self._gemm(x2, weight, None, self.scale, out_dtype=torch.bfloat16).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*lead, -1)  # type: ignore[no-any-return]
+
+
+class ScaledMatMul:
+    """The `MatMul` of a linear layer whose weight is FP8 [N, K] with float32 scales [N]:
+    x -> per-token FP8 (one Triton launch) -> `torch._scaled_mm` in the input dtype."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        from tandem.engine.quant.triton_fp8 import quantize_per_token  # CUDA only, like Triton
+
+        self._quantize = quantize_per_token
         self.scale = scale.reshape(1, -1).float().contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k).float()
-        x_scale = (x2.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-        xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        xq, x_scale = self._quantize(x.reshape(-1, k).contiguous())
         # weight.t() of a row-major [N, K] is the column-major [K, N] the kernel wants.
         out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
         if bias is not None:
@@ -48,26 +84,42 @@ class Fp8MatMul:
 
 
 def quantize_linears(
-    modules: Iterable[ColumnParallelLinear | RowParallelLinear], *, on_gpu: bool, round_trip: bool
+    modules: Iterable[ColumnParallelLinear | RowParallelLinear],
+    *,
+    gemm: str | None,
+    round_trip: bool,
+    block: tuple[int, int] | None = None,
 ) -> int:
     """Make `modules` (column- or row-parallel linears, loaded in the compute dtype) FP8.
 
-    On GPU: the weight becomes FP8 with per-channel scales and the layer's GEMM `Fp8MatMul`. On CPU with
-    `round_trip` (dynamic FP8 from a bf16 checkpoint): the weight is rounded through FP8 and back in
-    place; without it (an FP8 checkpoint, already dequantized) nothing changes. Returns the layers made
-    FP8 on GPU (shapes `_scaled_mm` cannot take keep the compute dtype)."""
+    `gemm` is the engine's FP8 GEMM ("block" or "scaled_mm"), None on CPU. On CPU with `round_trip`
+    (dynamic FP8 from a 16-bit checkpoint) each weight is rounded through FP8 and back in place; without
+    it (an FP8 checkpoint, read dequantized) nothing changes. On GPU the weight becomes FP8 again: in the
+    checkpoint's 128 x 128 blocks where it has them and the block GEMM runs (the same blocks' FP8 values
+    back, for a checkpoint whose scales are its blocks' largest magnitudes over 448), per output channel
+    otherwise. Returns the layers made FP8 on GPU; shapes neither GEMM takes keep the compute dtype."""
     made = 0
     for module in modules:
         weight = module.weight
-        if not on_gpu:
+        if gemm is None:
             if round_trip:
                 weight.data.copy_(dequantize(*quantize_per_channel(weight.data)))
             continue
-        if not scaled_mm_fits(weight):
+        matmul: BlockScaledMatMul | ScaledMatMul
+        if gemm == "block" and block_gemm_fits(weight):
+            if block == (BLOCK, BLOCK):
+                wq, scale = quantize_blocks(weight.data, block)
+            else:
+                wq, channel = quantize_per_channel(weight.data)
+                scale = channel[:, None].expand(-1, weight.shape[1] // BLOCK)
+            matmul = BlockScaledMatMul(scale)
+        elif scaled_mm_fits(weight):
+            wq, channel = quantize_per_channel(weight.data)
+            matmul = ScaledMatMul(channel)
+        else:
             continue
-        wq, scale = quantize_per_channel(weight.data)
         module.weight = nn.Parameter(wq, requires_grad=False)
-        module.matmul = Fp8MatMul(scale)
+        module.matmul = matmul
         module.tinygemm_fits = False  # tinygemm takes bf16 weights
         made += 1
     return made

@@ -1,5 +1,6 @@
-"""FP8 on the GPU: the `_scaled_mm` GEMM with per-token activation scales against bf16 on the same
-dequantized weights, inside a CUDA graph; an FP8 checkpoint and dynamic FP8 run with every switch on
+"""FP8 on the GPU: each FP8 GEMM (flashinfer's block-scaled one over block and per-channel scales, and
+`_scaled_mm` after the one-launch per-token quantizer) against float32 on the same dequantized weights,
+also inside a CUDA graph; an FP8 checkpoint and dynamic FP8 run with every switch on
 (decode and piecewise graphs, Triton kernels) and give the greedy tokens of the same FP8 model run
 eagerly, up to choices within FP8's rounding noise (`FP8_NEAR_TIE`); TP=2 (two GPUs) shards the scales
 with the weights."""
@@ -35,21 +36,37 @@ def _needs_fp8() -> None:
         pytest.skip("rowwise-scaled FP8 GEMMs need compute capability 9.0")
 
 
+@pytest.mark.parametrize("gemm", ["block", "block_channel", "scaled_mm"])
 @pytest.mark.parametrize("rows", [1, 8, 200])
-def test_scaled_mm_matches_bf16_on_dequantized_weights(rows: int) -> None:
-    from tandem.engine.quant.fp8_format import dequantize, quantize_per_channel
-    from tandem.engine.quant.fp8_linear import Fp8MatMul
+def test_fp8_matmul_matches_bf16_on_dequantized_weights(rows: int, gemm: str) -> None:
+    """Each FP8 GEMM against float32 on the weights it dequantizes to, eagerly and replayed in a graph."""
+    from tandem.engine.quant.fp8_format import dequantize, quantize_blocks, quantize_per_channel
+    from tandem.engine.quant.fp8_linear import BlockScaledMatMul, ScaledMatMul
 
     _needs_fp8()
+    if gemm != "scaled_mm" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("flashinfer's block-scaled FP8 GEMM is for SM90")
     g = torch.Generator(device="cuda").manual_seed(rows)
     weight = torch.randn(1024, 4096, device="cuda", generator=g).bfloat16() * 0.02
-    wq, scale = quantize_per_channel(weight)
+    mm: BlockScaledMatMul | ScaledMatMul
+    if gemm == "block":
+        wq, scale = quantize_blocks(weight, (128, 128))
+        full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        reference = wq.float() * full
+        mm = BlockScaledMatMul(scale)
+    else:
+        wq, channel = quantize_per_channel(weight)
+        reference = dequantize(wq, channel)
+        mm = (
+            BlockScaledMatMul(channel[:, None].expand(-1, 32))
+            if gemm == "block_channel"
+            else ScaledMatMul(channel)
+        )
     x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
-    mm = Fp8MatMul(scale)
     got = mm(x, wq, None)
-    want = x.float() @ dequantize(wq, scale).T
+    want = x.float() @ reference.T
     rel = float((got.float() - want).norm() / want.norm())
-    assert got.dtype == torch.bfloat16 and rel < 0.05, rel  # per-token FP8 activations: a few % at most
+    assert got.dtype == torch.bfloat16 and rel < 0.05, rel  # FP8 activations: a few % at most
     static_x, graph = x.clone(), torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
