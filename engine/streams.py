@@ -61,20 +61,31 @@ class StreamSet:
             self.engine = HostStream("engine")
             self.copy = HostStream("copy")
         self._host_current: Stream = self.scheduler
+        # The device's index, resolved once: torch's stream calls given no index (or a device without
+        # one) look the current device up through several Python layers on every call, a visible share
+        # of a small model's per-step host time.
+        self._index = (
+            (device.index if device.index is not None else torch.cuda.current_device()) if self.is_cuda else 0
+        )
 
     def current(self) -> Stream:
         if self.is_cuda:
-            return torch.cuda.current_stream(self.device)
+            return torch.cuda.current_stream(self._index)
         return self._host_current
 
     @contextlib.contextmanager
     def use(self, stream: Stream) -> Iterator[None]:
         if self.is_cuda:
+            # `torch.cuda.stream(stream)` without its device lookups: swap the current stream, restore it.
             assert isinstance(stream, torch.cuda.Stream)
-            with torch.cuda.stream(stream):
+            prior = torch.cuda.current_stream(self._index)
+            torch.cuda.set_stream(stream)
+            try:
                 yield
+            finally:
+                torch.cuda.set_stream(prior)
             return
-        previous = self._host_current
+        previous: Stream = self._host_current
         self._host_current = stream
         try:
             yield

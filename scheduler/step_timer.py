@@ -1,6 +1,7 @@
 """Wall time per phase of the scheduler loop, cheap enough to stay on (two perf_counter calls a phase).
 
-Each phase is also a `torch.profiler.record_function` range, so a trace shows the same names. Without a
+While a profiler runs, each phase is also a `torch.profiler.record_function` range, so a trace shows the
+same names. Without a
 profiler, the totals answer the first question about a slow run: is the step bound by the host
 (schedule + launch + processing) or by the device (`wait`, the time blocked on the copy-done event)?
 The longest call and the count of calls over `STALL_S` answer the second: is a slow phase slow on every
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 STALL_S = 0.010  # a call this long is a stall: a whole decode step of a small model takes a few ms
@@ -29,7 +31,10 @@ class StepTimer:
     def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            with record_function(f"tandem.{name}"):
+            if _profiler_enabled():  # a range costs tens of µs to open even with no profiler to see it
+                with record_function(f"tandem.{name}"):
+                    yield
+            else:
                 yield
         finally:
             took = time.perf_counter() - start
