@@ -130,6 +130,12 @@ class FlashInferBackend:
         # Per served group and graph size, built once: the graphs' buffers never move.
         self._fused_by_size: dict[int, dict[int, FusedDecode]] = {}
         self._fused: dict[int, FusedDecode | None] = {}
+        # (group, graph size) pairs whose captured graph runs the group's flashinfer decode wrapper: a
+        # layer called `forward` while that size's graph was warmed up or captured. Where the one-launch
+        # decode serves every layer of a group, nothing in the graph reads the wrapper's plan, so the
+        # plan (flashinfer's host-side scheduling and its copies) is skipped for it.
+        self._wrapper_graphs: set[tuple[int, int]] = set()
+        self._graph_bs: int | None = None  # the graph size planned last; None after an eager plan
         self._planned = torch.cuda.Event()
         self._has_planned = False
 
@@ -148,6 +154,7 @@ class FlashInferBackend:
 
     def plan(self, batch: ForwardBatch) -> None:
         self._wait_previous_plan()
+        self._graph_bs = None
         qo_indptr = None if batch.is_decode else _indptr(batch.extend_lens_cpu).pin_memory()
         for group in self.groups:
             gid = group.group_id
@@ -296,7 +303,9 @@ class FlashInferBackend:
             self._fused_by_size[gid] = fused
 
     def plan_decode_graph(self, batch: ForwardBatch | None, graph_bs: int) -> None:
+        """Plan a decode graph's batch; `batch` None plans the all-padding batch its capture runs."""
         self._wait_previous_plan()
+        self._graph_bs = graph_bs
         real_bs = 0 if batch is None else batch.batch_size
         pad = graph_bs - real_bs
         for group in self.groups:
@@ -318,8 +327,13 @@ class FlashInferBackend:
             parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords]
             host, dev = self._send(parts)
             wrapper = bufs.wrappers[graph_bs]
-            # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
-            self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
+            if batch is None or (gid, graph_bs) in self._wrapper_graphs:
+                # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
+                self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
+            else:  # only the one launch reads them: copy them there without a plan
+                bufs.indptr[: graph_bs + 1].copy_(dev[0])
+                bufs.last_page_len[:graph_bs].copy_(dev[1])
+                bufs.indices[: indices.shape[0]].copy_(dev[3])
             bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
             self._active[gid] = wrapper
             self._append[gid] = _Append(
@@ -367,6 +381,8 @@ class FlashInferBackend:
                 a.last_page_len,
             )
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
+        if self._graph_bs is not None:  # a decode graph's warm-up or capture: its graph runs the wrapper
+            self._wrapper_graphs.add((gid, self._graph_bs))
         wrapper, cache = self._active[gid], pool.paged_view(layer.layer_id)
         if self.fp8_kv:
             k_scale, v_scale = pool.scales[layer.layer_id]
