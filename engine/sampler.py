@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tandem.engine.batch import SamplingBatch
-from tandem.engine.constraints import constrain_logits
+from tandem.engine.constraints import apply_bitmask_, constrain_logits
 
 _MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
@@ -173,8 +173,9 @@ class Sampler:
     Seeded rows always take the counter-based race, which is what makes them reproducible.
 
     `race` (sampling_race.py, on CUDA with fused kernels on and Triton present) takes every batch
-    without penalties, filters or logprobs, seeded or not: the race in one pass over the logits as the
-    LM head left them, where the other paths first make a float32 copy, divide it and draw.
+    without penalties, filters, biases or logprobs, seeded or not: the race in one pass over the logits
+    as the LM head left them (structured-output rows masked in place first), where the other paths
+    first make a float32 copy, divide it and draw.
 
     `fuse=True` (for CUDA) compiles the race with torch.compile: the eager hash makes ~25 passes over
     [B, V] int64, which fused become one, bit-identical. Compiling takes seconds on first use (and again
@@ -206,6 +207,8 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[-1]} columns, vocabulary has {self.vocab_size}")
         if self._one_pass(batch):
             assert self._race_one_pass is not None
+            if batch.bitmask is not None:  # structured-output rows: masked where they lie, no copy
+                apply_bitmask_(logits, batch)
             tokens = self._race_one_pass(
                 logits,
                 batch.temperature,
@@ -231,7 +234,7 @@ class Sampler:
         waits on a build, and check its tokens against the torch race on a small batch. On any failure
         the race is switched off, and the reason returned for the log. The constraints' bitmask kernel
         is built first, whatever the race."""
-        self._warm_up_constraints()
+        self._warm_up_constraints(logits_dtype)
         if self._race_one_pass is None or self._vocab_keys is None:
             return None
         device = self._vocab_keys.device
@@ -255,15 +258,17 @@ class Sampler:
             return f"one-pass sampling race off: {exc!r}"
         return None
 
-    def _warm_up_constraints(self) -> None:
+    def _warm_up_constraints(self, logits_dtype: torch.dtype) -> None:
         """Build the bitmask kernel (xgrammar's Triton kernel on CUDA) now, not on the first
         structured-output request."""
         device = self._generator.device
         batch = SamplingBatch.greedy(1, device)
         bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
         rows = torch.zeros(1, dtype=torch.int64, device=device)
-        logits = torch.zeros(1, self.vocab_size, device=device)
-        constrain_logits(logits, replace(batch, bitmask=bitmask, bitmask_rows=rows))
+        masked = replace(batch, bitmask=bitmask, bitmask_rows=rows)
+        constrain_logits(torch.zeros(1, self.vocab_size, device=device), masked)
+        # The one-pass path masks the LM head's output in its own dtype: a kernel build of its own.
+        apply_bitmask_(torch.zeros(1, self.vocab_size, dtype=logits_dtype, device=device), masked)
 
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
@@ -274,7 +279,7 @@ class Sampler:
             and not batch.any_top_k_top_p
             and not batch.any_min_p
             and batch.num_logprobs < 0
-            and not batch.constrained
+            and batch.bias_rows is None  # biases add in float32; a bitmask it applies in place
         )
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -262,3 +262,45 @@ def test_one_pass_race_follows_the_softmax(kernels: FusedKernels) -> None:
     seeded = dataclasses.replace(batch, any_explicit_seed=True)
     torch_race = Sampler(vocab, device=DEVICE)(logits, seeded).next_tokens  # the counter-based hash
     assert float((torch_race == drawn).float().mean()) > 0.999
+
+
+def test_one_pass_race_masks_structured_rows_in_place(kernels: FusedKernels) -> None:
+    """A batch with structured-output rows takes the one-pass race too: their bitmask is applied to the
+    bf16 logits in place (ids past the tokenizer's blocked), the other rows are left as they were, and the
+    tokens are the torch race's over the same masked logits (bar near-ties, as above)."""
+    from tandem.engine.sampler import Sampler
+
+    assert kernels.race_sample is not None
+    rows, head, tokenizer_vocab = 64, 2048, 1500
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = (torch.randn(rows, head, generator=g, device=DEVICE) * 3).to(BF16)
+    constrained = torch.arange(1, rows, 3, device=DEVICE)
+    allowed = torch.rand(constrained.shape[0], head, generator=g, device=DEVICE) < 0.05
+    allowed[:, tokenizer_vocab:] = True  # the mask says yes; the tokenizer's width must still block them
+    bits = allowed[:, :tokenizer_vocab]
+    words = -(-tokenizer_vocab // 32)
+    padded = torch.zeros(constrained.shape[0], words * 32, dtype=torch.bool, device=DEVICE)
+    padded[:, :tokenizer_vocab] = bits
+    weights = 2 ** torch.arange(32, dtype=torch.int64, device=DEVICE)
+    bitmask = (padded.view(-1, words, 32).long() * weights).sum(-1)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    temps = torch.full((rows,), 0.8, device=DEVICE)
+    temps[::5] = 0.0
+    seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 31 + 7
+    batch = dataclasses.replace(
+        plain_batch(temps, seeds, torch.full((rows,), 2, dtype=torch.int64, device=DEVICE)),
+        bitmask=bitmask,
+        bitmask_rows=constrained,
+        bitmask_vocab=tokenizer_vocab,
+    )
+    original = logits.clone()
+    drawn = Sampler(head, device=DEVICE, race=kernels.race_sample)(logits, batch).next_tokens
+    others = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    others[constrained] = False
+    assert torch.equal(logits[others], original[others]), "an unconstrained row was touched"
+    chosen = drawn[constrained]
+    assert bool((chosen < tokenizer_vocab).all()), "an id past the tokenizer was drawn"
+    assert bool(bits.gather(1, chosen[:, None]).all()), "a masked token was drawn"
+    seeded = dataclasses.replace(batch, any_explicit_seed=True)
+    torch_race = Sampler(head, device=DEVICE)(original, seeded).next_tokens  # float32 copy, then the race
+    assert float((torch_race == drawn).float().mean()) > 0.95
