@@ -6,8 +6,8 @@ Per layer shape and row count, µs per call and the share of the copy bandwidth 
 - `w8a8`: the one-launch quantizer (engine/quant/triton_fp8.py), then `torch._scaled_mm` (the engine's
   `ScaledMatMul`);
 - `block`: flashinfer's `fp8_blockscale_gemm_sm90` over 128 x 128 block scales (bf16 input, quantized
-  inside), and `block_channel` the same kernel over per-channel scales in its per-row layout (the
-  engine's `BlockScaledMatMul` for block-scaled checkpoints and for dynamic FP8).
+  inside), and `block_channel` the same kernel over unit blocks with per-channel scales multiplied into
+  its output (the engine's `BlockScaledMatMul` for block-scaled checkpoints and for per-channel FP8).
 Each variant's largest error against x times the dequantized weight, relative to the output's largest
 magnitude, is recorded as `<variant>_err`. Weights are cycled over enough copies that L2 serves none.
 
@@ -52,6 +52,18 @@ def _fi_block(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor
     return fp8_blockscale_gemm_sm90(x, w, None, s)  # type: ignore[no-any-return]
 
 
+@functools.cache
+def _unit_blocks(n: int, k: int) -> torch.Tensor:
+    return torch.ones(n // 128, k // 128, device="cuda")
+
+
+def _fi_channel(x: torch.Tensor, w: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+    from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+    out = fp8_blockscale_gemm_sm90(x, w, None, _unit_blocks(*w.shape))
+    return out.mul_(channel)  # type: ignore[no-any-return]
+
+
 def _variants() -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
     """name -> (which weight set it reads: bf16, channel, block or channel_rows; the call)."""
     return {
@@ -59,7 +71,7 @@ def _variants() -> dict[str, tuple[str, Callable[..., torch.Tensor]]]:
         "w8a8_torch": ("channel", _torch_w8a8),
         "w8a8": ("channel", _w8a8),
         "block": ("block", _fi_block),
-        "block_channel": ("channel_rows", _fi_block),
+        "block_channel": ("channel_rows", _fi_channel),
     }
 
 
@@ -78,7 +90,7 @@ def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, An
         "bf16": [(w, w) for w in weights],
         "channel": [(q, s.reshape(1, -1).float().contiguous()) for q, s in channel],
         "block": [quantize_blocks(w, (128, 128)) for w in weights],
-        "channel_rows": [(q, s[:, None].expand(-1, k // 128).contiguous()) for q, s in channel],
+        "channel_rows": [(q, s.float()) for q, s in channel],
     }
     per_channel = channel[0][0].float() * channel[0][1].float().reshape(-1, 1)
     reference = {

@@ -2,11 +2,12 @@
 
 Two library GEMMs, chosen once per engine (`EngineConfig.fp8_gemm`):
 - `"block"` (Hopper): flashinfer's `fp8_blockscale_gemm_sm90` (DeepGEMM's kernels). It takes the bf16
-  activations and quantizes them itself, per token and 128 columns, inside the GEMM; the weights carry
-  one scale per 128 x 128 block (block-scaled checkpoints keep their own blocks) or one per output
-  channel, stored as the kernel's per-row layout ([N, K / 128], the row's scale repeated), so dynamic
-  FP8 keeps per-channel numerics. On an H200 it beat bf16 cuBLAS at every row count timed, and the
-  `_scaled_mm` route below too (benchmarks/kernels/fp8_gemm.py).
+  activations and quantizes them itself, per token and 128 columns, inside the GEMM, and scales the
+  weights per 128 x 128 block: block-scaled checkpoints keep their own blocks. Per-channel weights
+  (dynamic FP8, channel-scaled checkpoints) run with unit block scales and their channel scales applied
+  to the output, so they keep per-channel numerics: the kernel reads its weight scales as blocks whatever
+  their shape. On an H200 it beat bf16 cuBLAS at every row count timed, and the `_scaled_mm` route below
+  too (benchmarks/kernels/fp8_gemm.py).
 - `"scaled_mm"` (other FP8 GPUs, or shapes the block kernel refuses): per-token activation scales from
   one Triton launch, then `torch._scaled_mm` with per-channel weight scales.
 
@@ -43,24 +44,28 @@ def block_gemm_fits(weight: torch.Tensor) -> bool:
 
 
 class BlockScaledMatMul:
-    """The `MatMul` of a linear layer whose weight is FP8 [N, K] with float32 scales, either per 128 x 128
-    block [ceil(N / 128), K / 128] or per row [N, K / 128]: flashinfer's SM90 block-scaled GEMM."""
+    """The `MatMul` of a linear layer whose weight is FP8 [N, K]: flashinfer's SM90 block-scaled GEMM over
+    `blocks`, float32 [ceil(N / 128), K / 128], then, for per-channel weights, `channel` (float32 [N])
+    on the output (their blocks' scales are all 1)."""
 
-    def __init__(self, scale: torch.Tensor) -> None:
+    def __init__(self, blocks: torch.Tensor, channel: torch.Tensor | None = None) -> None:
         from flashinfer.gemm import fp8_blockscale_gemm_sm90  # CUDA only: imported when a layer is made
 
         self._gemm: Any = fp8_blockscale_gemm_sm90
-        self.scale = scale.float().contiguous()
+        self.blocks = blocks.float().contiguous()
+        self.channel = None if channel is None else channel.float().contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
-        out = self._gemm(x2, weight, None, self.scale, out_dtype=torch.bfloat16).to(x.dtype)
+        out = self._gemm(x2, weight, None, self.blocks, out_dtype=torch.bfloat16)
+        if self.channel is not None:  # in place: the product in float32, rounded once
+            out.mul_(self.channel)
         if bias is not None:
             out = out + bias
-        return out.view(*lead, -1)  # type: ignore[no-any-return]
+        return out.to(x.dtype).view(*lead, -1)  # type: ignore[no-any-return]
 
 
 class ScaledMatMul:
@@ -107,12 +112,14 @@ def quantize_linears(
             continue
         matmul: BlockScaledMatMul | ScaledMatMul
         if gemm == "block" and block_gemm_fits(weight):
+            n, k = weight.shape
             if block == (BLOCK, BLOCK):
-                wq, scale = quantize_blocks(weight.data, block)
+                wq, blocks = quantize_blocks(weight.data, block)
+                matmul = BlockScaledMatMul(blocks)
             else:
                 wq, channel = quantize_per_channel(weight.data)
-                scale = channel[:, None].expand(-1, weight.shape[1] // BLOCK)
-            matmul = BlockScaledMatMul(scale)
+                unit = torch.ones(-(-n // BLOCK), k // BLOCK, device=weight.device)
+                matmul = BlockScaledMatMul(unit, channel)
         elif scaled_mm_fits(weight):
             wq, channel = quantize_per_channel(weight.data)
             matmul = ScaledMatMul(channel)

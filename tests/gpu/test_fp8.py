@@ -57,11 +57,8 @@ def test_fp8_matmul_matches_bf16_on_dequantized_weights(rows: int, gemm: str) ->
     else:
         wq, channel = quantize_per_channel(weight)
         reference = dequantize(wq, channel)
-        mm = (
-            BlockScaledMatMul(channel[:, None].expand(-1, 32))
-            if gemm == "block_channel"
-            else ScaledMatMul(channel)
-        )
+        unit = torch.ones(8, 32, device="cuda")
+        mm = BlockScaledMatMul(unit, channel) if gemm == "block_channel" else ScaledMatMul(channel)
     x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
     got = mm(x, wq, None)
     want = x.float() @ reference.T
