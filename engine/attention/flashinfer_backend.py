@@ -10,14 +10,15 @@ Never import this module on CPU: the backend registry imports it on first use on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flashinfer
 import torch
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
+from tandem.engine.attention.flashinfer_buffers import AppendTargets, GraphBuffers
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     PagedLayout,
@@ -30,34 +31,6 @@ from tandem.engine.attention.paged_layout import (
 )
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
-
-
-@dataclass(frozen=True)
-class _Append:
-    """Where one batch's new K/V go in one KV group, as flashinfer's append kernel takes it (device
-    int32). Positions count from the row's first listed page, so evicted pages are never addressed."""
-
-    rows: torch.Tensor  # [T]: the row of each new token
-    positions: torch.Tensor  # [T]: its position in the row's listed KV
-    indices: torch.Tensor  # the rows' listed pages, concatenated
-    indptr: torch.Tensor  # [B + 1]
-    last_page_len: torch.Tensor  # [B]
-    slots: torch.Tensor  # [T]: each new token's flat pool slot, for a q/k/v step that stores K/V itself
-
-
-@dataclass
-class _GraphBuffers:
-    """Fixed-address metadata of one KV group for every decode graph (shared across batch sizes:
-    all graphs replay on one stream, each right after its own plan, so they never overlap)."""
-
-    indptr: torch.Tensor  # int32 [max_bs + 1]; these three are the graph wrappers' own buffers
-    indices: torch.Tensor  # int32 [capacity]
-    last_page_len: torch.Tensor  # int32 [max_bs]
-    rows: torch.Tensor  # int32 [max_bs]: 0, 1, 2, ...: decode rows append one token each
-    # int32 [2, max_bs], rewritten by each plan in one copy: row 0 each new token's position in its
-    # row's listed KV (the append kernel's), row 1 its flat pool slot (`new_kv_slots`).
-    coords: torch.Tensor
-    wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
 
 class FlashInferBackend:
@@ -122,9 +95,9 @@ class FlashInferBackend:
             )
             for g in groups
         }
-        self._graph: dict[int, _GraphBuffers] = {}
+        self._graph: dict[int, GraphBuffers] = {}
         self._active: dict[int, Any] = {}
-        self._append: dict[int, _Append] = {}
+        self._append: dict[int, AppendTargets] = {}
         # The one-launch decode (triton_decode.py) of the graph sizes whose plans take it, in the KV groups
         # it serves; `_fused` holds the planned batch's buffers per such group, or None.
         # Per served group and graph size, built once: the graphs' buffers never move.
@@ -135,6 +108,9 @@ class FlashInferBackend:
         # decode serves every layer of a group, nothing in the graph reads the wrapper's plan, so the
         # plan (flashinfer's host-side scheduling and its copies) is skipped for it.
         self._wrapper_graphs: set[tuple[int, int]] = set()
+        # A graph-size plan skipped for a group, kept so a layer that does call the wrapper eagerly (never
+        # a replay: only warm-ups, captures and tests run layers after a graph plan) plans it first.
+        self._skipped: dict[int, Callable[[], None]] = {}
         self._graph_bs: int | None = None  # the graph size planned last; None after an eager plan
         self._planned = torch.cuda.Event()
         self._has_planned = False
@@ -155,6 +131,7 @@ class FlashInferBackend:
     def plan(self, batch: ForwardBatch) -> None:
         self._wait_previous_plan()
         self._graph_bs = None
+        self._skipped.clear()
         qo_indptr = None if batch.is_decode else _indptr(batch.extend_lens_cpu).pin_memory()
         for group in self.groups:
             gid = group.group_id
@@ -173,7 +150,7 @@ class FlashInferBackend:
                 wrapper = self.prefill[gid]
                 self._plan_prefill(wrapper, gid, qo_indptr, pinned, dev[3])
             self._active[gid] = wrapper
-            self._append[gid] = _Append(dev[4], dev[5], dev[3], dev[0], dev[1], paging.out_cache_loc)
+            self._append[gid] = AppendTargets(dev[4], dev[5], dev[3], dev[0], dev[1], paging.out_cache_loc)
             self._fused[gid] = None
         self._record_plan()
 
@@ -253,7 +230,7 @@ class FlashInferBackend:
                 )
                 for bs in batch_sizes
             }
-            self._graph[group.group_id] = _GraphBuffers(
+            self._graph[group.group_id] = GraphBuffers(
                 indptr=indptr,
                 indices=indices,
                 last_page_len=last,
@@ -327,16 +304,20 @@ class FlashInferBackend:
             parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords]
             host, dev = self._send(parts)
             wrapper = bufs.wrappers[graph_bs]
+            plan = functools.partial(
+                self._plan_decode, wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3]
+            )
+            self._skipped.pop(gid, None)
             if batch is None or (gid, graph_bs) in self._wrapper_graphs:
-                # The plan copies indptr, indices and last-page lengths into the graph's own buffers.
-                self._plan_decode(wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3])
+                plan()  # it copies indptr, indices and last-page lengths into the graph's own buffers
             else:  # only the one launch reads them: copy them there without a plan
                 bufs.indptr[: graph_bs + 1].copy_(dev[0])
                 bufs.last_page_len[:graph_bs].copy_(dev[1])
                 bufs.indices[: indices.shape[0]].copy_(dev[3])
+                self._skipped[gid] = plan
             bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
             self._active[gid] = wrapper
-            self._append[gid] = _Append(
+            self._append[gid] = AppendTargets(
                 bufs.rows[:graph_bs],
                 bufs.coords[0, :graph_bs],
                 bufs.indices,
@@ -383,6 +364,9 @@ class FlashInferBackend:
         heads = None if out is None else out.view(-1, layer.num_heads, layer.head_dim)
         if self._graph_bs is not None:  # a decode graph's warm-up or capture: its graph runs the wrapper
             self._wrapper_graphs.add((gid, self._graph_bs))
+            skipped = self._skipped.pop(gid, None)
+            if skipped is not None:
+                skipped()
         wrapper, cache = self._active[gid], pool.paged_view(layer.layer_id)
         if self.fp8_kv:
             k_scale, v_scale = pool.scales[layer.layer_id]

@@ -240,3 +240,31 @@ def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap:
             assert changed <= set(range(NUM_PAGES * PAGE, (NUM_PAGES + 1) * PAGE)), (
                 "padding wrote outside the dummy page"
             )
+
+
+def test_decode_graph_without_wrapper_layers_gets_page_lists_without_a_plan(backend_cls: Any) -> None:
+    """A decode graph whose capture ran no layer through a group's wrapper (every layer took the
+    one-launch decode) skips flashinfer's plan for that group, and its fixed buffers still get exactly the
+    page lists a plan would have copied there; a graph whose layers do run the wrapper is planned."""
+    windows = [None, 8]
+    groups = [KVGroupSpec(i, (i,), w, NUM_PAGES) for i, w in enumerate(windows)]
+    specs = [LayerSpec(i, 4, 2, 8, 0.3, w, None) for i, w in enumerate(windows)]
+    batch = batch_for(STEPS["decode"], windows, seed=3)
+    fi = backend_cls(groups, PAGE, torch.device("cpu"), layers=specs, dtype=torch.float32, workspace_mb=1)
+    fi.init_decode_graphs([1, 2, 4, 8], max_pages_per_row=NUM_PAGES, fused_sizes=[])
+    fi.plan_decode_graph(None, 8)  # a capture's plan, with no layer run after it
+    planned: list[int] = []
+    for gid, bufs in fi._graph.items():
+        wrapper = bufs.wrappers[8]
+        wrapper.plan = lambda *a, _plan=wrapper.plan, _gid=gid, **k: (planned.append(_gid), _plan(*a, **k))
+
+    def buffers() -> list[torch.Tensor]:
+        return [t.clone() for b in fi._graph.values() for t in (b.indptr, b.indices, b.last_page_len)]
+
+    fi.plan_decode_graph(batch, 8)
+    assert planned == []
+    copied = buffers()
+    fi._wrapper_graphs.update((gid, 8) for gid in fi._graph)  # as if the capture had run the wrappers
+    fi.plan_decode_graph(batch, 8)
+    assert sorted(planned) == [0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(copied, buffers()))
