@@ -1,7 +1,8 @@
 """FP8 against bf16 on the Llama-3.1-8B shape (random weights): the batch-1 decode step (decode graphs, 512
 tokens of context, through the Engine as decode.py times it), offline throughput (offline.py's workload)
 and greedy top-1 agreement with bf16 over 1,000 teacher-forced positions, for dynamic per-channel FP8
-(`quantization="fp8"`) and, reported beside it, a block-scaled (128 x 128) FP8 checkpoint.
+(`quantization="fp8"`) and, reported beside it, a block-scaled (128 x 128) FP8 checkpoint (each on the GEMM
+the engine picks: flashinfer's block-scaled GEMM on Hopper, see engine/quant/fp8_linear.py).
 
     python benchmarks/fp8.py --parts decode,top1          # then, in a second call:
     python benchmarks/fp8.py --parts offline
@@ -50,6 +51,8 @@ def decode_b1(model_dir: Path, device: torch.device, context: int, steps: int) -
         out[f"decode_b1_ms_{mode}"] = (
             seconds_per_step(engine, decode_batch(engine, [context]), steps=steps) * 1e3
         )
+        if options:
+            out["fp8_gemm"] = engine.config.fp8_gemm  # which GEMM the FP8 layers ran
         print(f"{mode}: {out[f'decode_b1_ms_{mode}']:.3f} ms per batch-1 decode step", flush=True)
         del engine
         release_memory()
@@ -162,8 +165,8 @@ def main() -> None:
     record.update(device=device_info(device), commit=git_commit())
     record.setdefault("config", {}).update(
         model="Llama-3.1-8B shape, random bf16 weights", layers=args.layers, context=args.context,
-        fp8="dynamic per-channel weights, per-token activations (torch._scaled_mm)",
-        fp8_block="a 128 x 128 block-scaled checkpoint, requantized per channel at load",
+        fp8="dynamic FP8, per-channel weight scales (quantization='fp8')",
+        fp8_block="a 128 x 128 block-scaled checkpoint",
     )  # fmt: skip
     start = time.perf_counter()
     parts = args.parts.split(",")
