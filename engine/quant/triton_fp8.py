@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+from tandem.engine.quant.fp8_format import FP8, FP8_MAX
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def quantize_per_token(x: torch.Tensor, *, block: int = 1024) -> tuple[torch.Ten
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("needs rows with a contiguous last dim")
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     launch: Any = quantize_per_token_kernel[(m,)]
     block = min(block, triton.next_power_of_2(k))
