@@ -29,7 +29,8 @@ for rows, k, block in json.loads(sys.argv[1]):
     want = scaled.to(torch.float8_e4m3fn).float()
     got = q.float()
     tie = (got - scaled).abs() == (want - scaled).abs()
-    octave = (want.abs().log2() == want.abs().log2().round()) & (scaled.abs() < want.abs()) & (got == want / 2)
+    power_of_two = want.abs().log2() == want.abs().log2().round()
+    octave = power_of_two & (scaled.abs() < want.abs()) & (got == want / 2)
     subnormal = (got == 0) & (want.abs() < 2**-6)
     explained = (got == want) | tie | octave | subnormal
     results.append([
