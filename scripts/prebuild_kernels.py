@@ -15,6 +15,7 @@ Best effort: if this flashinfer's internals differ, the kernels still build lazi
 
     python scripts/prebuild_kernels.py            # what tests/gpu and the benchmarks use
     python scripts/prebuild_kernels.py --softcap  # plus Gemma 2's soft-capped variants
+    python scripts/prebuild_kernels.py --fp8      # plus the block-scaled FP8 GEMM (about 2 min alone)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--softcap", action="store_true", help="also build the soft-capped variants")
+    parser.add_argument("--fp8", action="store_true", help="also build the FP8 GEMM of fp8_linear.py")
     args = parser.parse_args()
     variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
     try:
@@ -62,6 +64,8 @@ def main() -> int:
         specs += [gen_act_and_mul_module(name) for name in ("silu", "gelu_tanh")]
         # The K/V append (flashinfer backend) and the fused sampler's draw.
         specs += [gen_page_module(), gen_sampling_module()]
+        if args.fp8:
+            specs += _fp8_specs()
         # Each module's ninja gets a share of twice the cores: the small modules finish early, and
         # nvcc jobs take GBs of memory each, so all modules at full width could exhaust it.
         share = -(-2 * (os.cpu_count() or 8) // len(specs))
@@ -79,6 +83,17 @@ def main() -> int:
         f"{fresh} were already up to date"
     )
     return 0
+
+
+def _fp8_specs() -> list[Any]:
+    """The SM90 block-scaled FP8 GEMM's module, which FP8 layers build on first use otherwise; none
+    where this flashinfer lacks it (its first use will say why)."""
+    try:
+        from flashinfer.jit.gemm import gen_fp8_blockscale_gemm_sm90_module
+    except ImportError as exc:
+        print(f"FP8 GEMM prebuild skipped: {exc!r}", file=sys.stderr)
+        return []
+    return [gen_fp8_blockscale_gemm_sm90_module()]
 
 
 def _build(spec: Any) -> float:
