@@ -74,9 +74,8 @@ class Engine:
             self.fp8_layers = quantize_linears(
                 linears, gemm=config.fp8_gemm, round_trip=fp8 is None, block=fp8.block if fp8 else None
             )
-            if (
-                config.fp8_gemm is not None
-            ):  # hand the 16-bit weights' memory back, so the KV pool is sized with it
+            # Hand the 16-bit weights' memory back, so the KV pool is sized with it.
+            if config.fp8_gemm is not None:
                 torch.cuda.empty_cache()
         self.model.eval()
         self.capture_seconds = 0.0

@@ -145,6 +145,13 @@ def _importable(name: str, attribute: str | None = None) -> bool:
     return attribute is None or hasattr(module, attribute)
 
 
+def _fp8_gemm(quantization: str | None, facts: DeviceFacts) -> str | None:
+    """Which library GEMM FP8 layers run (quant/fp8_linear.py); None on CPU or without FP8."""
+    if quantization is None or not facts.cuda:
+        return None
+    return "block" if facts.fp8_block_gemm else "scaled_mm"
+
+
 def _flashinfer_importable() -> bool:
     try:
         importlib.import_module("flashinfer")
@@ -236,10 +243,6 @@ def resolve_engine_config(
         pdl_max_bs=min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0,
         small_gemm_max_bs=opts.small_gemm_max_bs if hopper_graphs and facts.tinygemm else 0,
         quantization=quantization,
-        fp8_gemm=None
-        if quantization is None or not on_gpu
-        else "block"
-        if facts.fp8_block_gemm
-        else "scaled_mm",
+        fp8_gemm=_fp8_gemm(quantization, facts),
         kv_cache_dtype=kv_dtype,
     )

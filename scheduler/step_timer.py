@@ -1,9 +1,9 @@
 """Wall time per phase of the scheduler loop, cheap enough to stay on (two perf_counter calls a phase).
 
 While a profiler runs, each phase is also a `torch.profiler.record_function` range, so a trace shows the
-same names. Without a
-profiler, the totals answer the first question about a slow run: is the step bound by the host
-(schedule + launch + processing) or by the device (`wait`, the time blocked on the copy-done event)?
+same names. Without a profiler, the totals answer the first question about a slow run: is the step bound
+by the host (schedule + launch + processing) or by the device (`wait`, the time blocked on the copy-done
+event)?
 The longest call and the count of calls over `STALL_S` answer the second: is a slow phase slow on every
 step, or on a few that stalled (a kernel build, a pinned allocation, a hidden synchronisation)?
 """

@@ -5,7 +5,9 @@ of it eagerly), and the layers must follow the plan they are handed."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +124,18 @@ def test_fp8_kv_cache_turns_the_one_launch_off_only(tmp_path: Path) -> None:
         plan = planner.decode(bs)
         assert not plan.fused_decode
         assert (plan.triton_norms, plan.pdl, plan.tinygemm) == (bs <= 32, bs <= 8, bs <= 8)
+
+
+@pytest.mark.parametrize(
+    ("facts", "options", "gemm"),
+    [
+        (dataclasses.replace(H200, fp8_block_gemm=True), {"quantization": "fp8"}, "block"),
+        (H200, {"quantization": "fp8"}, "scaled_mm"),  # a flashinfer without the block-scaled GEMM
+        (dataclasses.replace(H200, fp8_block_gemm=True), {}, None),  # no FP8 layers
+        (DeviceFacts(), {"quantization": "fp8"}, None),  # CPU: dequantized weights, no FP8 GEMM
+    ],
+)
+def test_fp8_gemm_follows_the_device(
+    tmp_path: Path, facts: DeviceFacts, options: dict[str, Any], gemm: str | None
+) -> None:
+    assert _config(tmp_path, facts, **options).fp8_gemm == gemm
