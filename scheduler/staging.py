@@ -52,23 +52,28 @@ class Staging:
         return len(self._arrays) - 1
 
     def send(self) -> Staged:
-        """Pack every added array into one buffer and start its copy on the current stream."""
-        offsets = []
-        total = 0
+        """Pack every added array into one buffer and start its copy on the current stream.
+
+        The host views on CUDA are the added arrays themselves (the host reads them; only the copy needs
+        pinned memory); the device views come from one split of the device buffer."""
+        sizes: list[int] = []  # each array's bytes, then its padding to the next boundary
         for array in self._arrays:
-            offsets.append(total)
-            total += -(-array.nbytes // _ALIGN) * _ALIGN
+            padded = -(-array.nbytes // _ALIGN) * _ALIGN
+            sizes += [array.nbytes, padded - array.nbytes]
+        total = sum(sizes)
         buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin)
         raw = buffer.numpy()
-        for array, offset in zip(self._arrays, offsets):
-            raw[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+        offset = 0
+        for array, size, pad in zip(self._arrays, sizes[::2], sizes[1::2]):
+            raw[offset : offset + size] = array.reshape(-1).view(np.uint8)
+            offset += size + pad
         on_device = buffer.to(self.device, non_blocking=True) if self.pin else buffer
-
-        def views(packed: torch.Tensor) -> list[torch.Tensor]:
-            return [
-                packed[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
-                for array, offset in zip(self._arrays, offsets)
-            ]
-
-        host = views(buffer)
-        return Staged(host, host if on_device is buffer else views(on_device))
+        chunks = on_device[:total].split(sizes)[::2]
+        device = [
+            chunk.view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+            if array.ndim != 1
+            else chunk.view(_TORCH_DTYPES[array.dtype])
+            for chunk, array in zip(chunks, self._arrays)
+        ]
+        host = [torch.from_numpy(array) for array in self._arrays] if self.pin else device
+        return Staged(host, device)

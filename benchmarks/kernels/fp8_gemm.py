@@ -12,6 +12,7 @@ Each variant's largest error against x times the dequantized weight, relative to
 magnitude, is recorded as `<variant>_err`. Weights are cycled over enough copies that L2 serves none.
 
     python benchmarks/kernels/fp8_gemm.py --out-dir DIR
+    python benchmarks/kernels/fp8_gemm.py --out-dir DIR --rows 256,2048,8192   # prefill-sized
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _cycled(
     return call(x, *pairs[i % len(pairs)])
 
 
-def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, Any]]:
+def layer_rows(
+    name: str, n: int, k: int, bandwidth: float, counts: tuple[int, ...] = ROWS
+) -> list[dict[str, Any]]:
     bf16_bytes = n * k * 2
     copies = max(2, -(-200_000_000 // (n * k)))
     weights = [torch.randn(n, k, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
@@ -100,7 +103,7 @@ def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, An
         * sets["block"][0][1].repeat_interleave(128, 0).repeat_interleave(128, 1),
     }
     table = []
-    for rows in ROWS:
+    for rows in counts:
         x = torch.randn(rows, k, dtype=BF16, device="cuda")
         row: dict[str, Any] = {"layer": name, "n": n, "k": k, "rows": rows}
         for variant, (kind, call) in _variants().items():
@@ -124,12 +127,14 @@ def layer_rows(name: str, n: int, k: int, bandwidth: float) -> list[dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts (tokens) to time")
     args = parser.parse_args()
+    counts = tuple(int(r) for r in args.rows.split(","))
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     bandwidth = ceilings["copy_bandwidth_GBps"] * 1e9
-    rows = [r for name, (n, k) in LAYERS.items() for r in layer_rows(name, n, k, bandwidth)]
-    config = {"layers": LAYERS, "rows": ROWS}
+    rows = [r for name, (n, k) in LAYERS.items() for r in layer_rows(name, n, k, bandwidth, counts)]
+    config = {"layers": LAYERS, "rows": counts}
     payload = {"config": config, "ceilings": ceilings, "rows": rows}
     write_result("fp8-gemm-kernels", payload, device=device, out_dir=args.out_dir)
     columns = ["bf16", "w8a8_torch", "w8a8", "block", "block_channel"]

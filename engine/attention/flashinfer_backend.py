@@ -21,11 +21,10 @@ from tandem.engine.attention.base import FusedDecode, LayerSpec
 from tandem.engine.attention.flashinfer_buffers import AppendTargets, GraphBuffers
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
+    DecodeGraphMeta,
     PagedLayout,
     append_coordinates,
-    decode_slots,
-    empty_layout,
-    pad_layout,
+    decode_graph_meta,
     page_indices,
     paged_layout,
 )
@@ -145,7 +144,7 @@ class FlashInferBackend:
             pinned = PagedLayout(host[0], host[1], host[2])
             if qo_indptr is None:
                 wrapper = self.decode[gid]
-                self._plan_decode(wrapper, gid, pinned, dev[3])
+                self._plan_decode(wrapper, gid, pinned.indptr, pinned.last_page_len, dev[3])
             else:
                 wrapper = self.prefill[gid]
                 self._plan_prefill(wrapper, gid, qo_indptr, pinned, dev[3])
@@ -186,12 +185,14 @@ class FlashInferBackend:
             non_blocking=True,
         )
 
-    def _plan_decode(self, wrapper: Any, gid: int, layout: PagedLayout, indices: torch.Tensor) -> None:
+    def _plan_decode(
+        self, wrapper: Any, gid: int, indptr: torch.Tensor, last_page_len: torch.Tensor, indices: torch.Tensor
+    ) -> None:
         k = self.kernels[gid]
         wrapper.plan(
-            layout.indptr,
+            indptr,
             indices,
-            layout.last_page_len,
+            last_page_len,
             k.num_heads,
             k.num_kv_heads,
             k.head_dim,
@@ -212,31 +213,27 @@ class FlashInferBackend:
         # Every real row lists at most max_pages_per_row pages; each padding row lists one.
         capacity = max_bs * (max_pages_per_row + 1)
         for group in self.groups:
-            dummy = group.num_pages  # KVPool's dummy page
-            indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
-            last = torch.ones(max_bs, dtype=torch.int32, device=self.device)
-            indices = torch.full((capacity,), dummy, dtype=torch.int32, device=self.device)
-            rows = torch.arange(max_bs, dtype=torch.int32, device=self.device)
-            wrappers = {
-                bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace,
-                    "NHD",
-                    use_cuda_graph=True,
-                    use_tensor_cores=self.decode_tensor_cores,
-                    backend=self.decode_backend,
-                    paged_kv_indptr_buffer=indptr[: bs + 1],
-                    paged_kv_indices_buffer=indices,
-                    paged_kv_last_page_len_buffer=last[:bs],
-                )
-                for bs in batch_sizes
-            }
-            self._graph[group.group_id] = GraphBuffers(
-                indptr=indptr,
-                indices=indices,
-                last_page_len=last,
-                rows=rows,
-                coords=torch.zeros(2, max_bs, dtype=torch.int32, device=self.device),
-                wrappers=wrappers,
+            self._graph[group.group_id] = buffers = GraphBuffers.allocate(
+                max_bs,
+                capacity,
+                group.num_pages,
+                self.device,
+                {},  # num_pages: KVPool's dummy page
+            )
+            buffers.wrappers.update(
+                {
+                    bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        self.workspace,
+                        "NHD",
+                        use_cuda_graph=True,
+                        use_tensor_cores=self.decode_tensor_cores,
+                        backend=self.decode_backend,
+                        paged_kv_indptr_buffer=buffers.indptr[: bs + 1],
+                        paged_kv_indices_buffer=buffers.indices,
+                        paged_kv_last_page_len_buffer=buffers.last_page_len[:bs],
+                    )
+                    for bs in batch_sizes
+                }
             )
         self._init_fused_decode(fused_sizes)
 
@@ -283,39 +280,27 @@ class FlashInferBackend:
         """Plan a decode graph's batch; `batch` None plans the all-padding batch its capture runs."""
         self._wait_previous_plan()
         self._graph_bs = graph_bs
-        real_bs = 0 if batch is None else batch.batch_size
-        pad = graph_bs - real_bs
         for group in self.groups:
             gid = group.group_id
             bufs = self._graph[gid]
-            if batch is None:
-                layout, indices = empty_layout(), torch.zeros(0, dtype=torch.int32)
-            else:
+            layout = indices = None
+            if batch is not None:
                 paging = batch.groups[gid]
                 layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
                 indices = page_indices(paging.page_table_cpu, paging.kv_start_cpu, layout, self.page_size)
             # Padding rows list the dummy page alone (one token), so they store K/V only there.
-            indices = torch.cat([indices, torch.full((pad,), group.num_pages, dtype=torch.int32)])
-            padded = pad_layout(layout, graph_bs)
-            # Each row's new token is the last of its listed KV; padding rows' is the dummy page's first.
-            slots = decode_slots(padded, indices, self.page_size)
-            coords = torch.cat((padded.kv_lens - 1, slots))
-            fused = self._fused_by_size.get(gid, {}).get(graph_bs)
-            parts = [padded.indptr, padded.last_page_len, padded.kv_lens, indices, coords]
-            host, dev = self._send(parts)
+            meta = decode_graph_meta(layout, indices, graph_bs, group.num_pages, self.page_size)
+            host = self._stage_graph_meta(bufs, meta)
             wrapper = bufs.wrappers[graph_bs]
-            plan = functools.partial(
-                self._plan_decode, wrapper, gid, PagedLayout(host[0], host[1], host[2]), dev[3]
-            )
+            listed = bufs.indices[: meta.indices.shape[0]]
+            # flashinfer's plan copies indptr and last-page lengths into the graph's buffers (again), and
+            # the indices from `listed`, which already are its buffer: torch skips a copy onto itself.
+            plan = functools.partial(self._plan_decode, wrapper, gid, *host, listed)
             self._skipped.pop(gid, None)
             if batch is None or (gid, graph_bs) in self._wrapper_graphs:
-                plan()  # it copies indptr, indices and last-page lengths into the graph's own buffers
-            else:  # only the one launch reads them: copy them there without a plan
-                bufs.indptr[: graph_bs + 1].copy_(dev[0])
-                bufs.last_page_len[:graph_bs].copy_(dev[1])
-                bufs.indices[: indices.shape[0]].copy_(dev[3])
+                plan()
+            else:  # only the one launch reads the page lists: they are in place without a plan
                 self._skipped[gid] = plan
-            bufs.coords[:, :graph_bs].copy_(dev[4].view(2, graph_bs))
             self._active[gid] = wrapper
             self._append[gid] = AppendTargets(
                 bufs.rows[:graph_bs],
@@ -325,8 +310,29 @@ class FlashInferBackend:
                 bufs.last_page_len[:graph_bs],
                 bufs.coords[1, :graph_bs],
             )
-            self._fused[gid] = fused
+            self._fused[gid] = self._fused_by_size.get(gid, {}).get(graph_bs)
         self._record_plan()
+
+    def _stage_graph_meta(
+        self, bufs: GraphBuffers, meta: DecodeGraphMeta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a decode graph's padded page lists into the group's staging buffer and start its two
+        copies to the graph's buffers; return indptr and last-page lengths as host views, for a plan.
+
+        The staging buffer is reused by the next plan only after `_wait_previous_plan`."""
+        bs = meta.last_page_len.shape[0]
+        staged = bufs.staging.numpy()
+        at_last, at_coords = bufs.last_at, bufs.coords_at
+        staged[: bs + 1] = meta.indptr
+        staged[at_last : at_last + bs] = meta.last_page_len
+        coords = staged[at_coords : at_coords + 2 * bufs.rows.shape[0]].reshape(2, -1)
+        coords[:, :bs] = meta.coords
+        listed = meta.indices.shape[0]
+        staged[bufs.header : bufs.header + listed] = meta.indices
+        bufs.meta[: bufs.header].copy_(bufs.staging[: bufs.header], non_blocking=True)
+        end = bufs.header + listed
+        bufs.meta[bufs.header : end].copy_(bufs.staging[bufs.header : end], non_blocking=True)
+        return bufs.staging[: bs + 1], bufs.staging[at_last : at_last + bs]
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:
         return self._fused.get(group_id)

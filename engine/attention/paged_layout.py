@@ -56,31 +56,6 @@ def _int32(array: npt.NDArray[np.int64]) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int32))
 
 
-def empty_layout() -> PagedLayout:
-    """No rows; `pad_layout(empty_layout(), n)` is n padding rows (CUDA-graph capture)."""
-    none = torch.zeros(0, dtype=torch.int32)
-    return PagedLayout(torch.zeros(1, dtype=torch.int32), none, none)
-
-
-def pad_layout(layout: PagedLayout, batch_size: int) -> PagedLayout:
-    """Append rows of one page holding one token, up to `batch_size` rows (CUDA-graph padding).
-
-    The caller points those pages at a dummy page that no request owns.
-    """
-    pad = batch_size - layout.batch_size
-    if pad < 0:
-        raise ValueError(f"cannot pad {layout.batch_size} rows down to {batch_size}")
-    if pad == 0:
-        return layout
-    tail = layout.indptr[-1] + torch.arange(1, pad + 1, dtype=torch.int32)
-    ones = torch.ones(pad, dtype=torch.int32)
-    return PagedLayout(
-        torch.cat([layout.indptr, tail]),
-        torch.cat([layout.last_page_len, ones]),
-        torch.cat([layout.kv_lens, ones]),
-    )
-
-
 def page_indices(
     page_table: torch.Tensor, kv_start: torch.Tensor, layout: PagedLayout, page_size: int
 ) -> torch.Tensor:
@@ -108,9 +83,41 @@ def append_coordinates(kv_lens: torch.Tensor, extend_lens: torch.Tensor) -> tupl
     return torch.from_numpy(rows.astype(np.int32)), torch.from_numpy(positions.astype(np.int32))
 
 
-def decode_slots(layout: PagedLayout, indices: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The flat pool slot of each decode row's new token, host int32 [B]: the last token of the row's
-    listed KV, in its last listed page. int32 is ample: a pool of 2**31 token slots would need more
-    than 512 GB per layer."""
-    last_page = indices.numpy().astype(np.int64)[layout.indptr.numpy().astype(np.int64)[1:] - 1]
-    return _int32(last_page * page_size + layout.last_page_len.numpy().astype(np.int64) - 1)
+@dataclass(frozen=True)
+class DecodeGraphMeta:
+    """A decode graph's page lists, padded to its batch size (host int32 numpy): padding rows list one
+    page, the caller's dummy page, holding one token."""
+
+    indptr: npt.NDArray[np.int32]  # [bs + 1]
+    last_page_len: npt.NDArray[np.int32]  # [bs]
+    # [2, bs]: row 0 each new token's position in its row's listed KV (the append kernel's), row 1 its
+    # flat pool slot: the last token of the row's last listed page.
+    coords: npt.NDArray[np.int32]
+    indices: npt.NDArray[np.int32]  # [indptr[-1]]
+
+
+def decode_graph_meta(
+    layout: PagedLayout | None, indices: torch.Tensor | None, batch_size: int, dummy_page: int, page_size: int
+) -> DecodeGraphMeta:
+    """`layout` and `indices` of the real rows (None: no real rows, as in a graph's capture), padded to
+    `batch_size` rows. int32 slots are ample: a pool of 2**31 token slots would need more than 512 GB
+    per layer."""
+    real = 0 if layout is None else layout.batch_size
+    pad = batch_size - real
+    if pad < 0:
+        raise ValueError(f"cannot pad {real} rows down to {batch_size}")
+    listed = 0 if layout is None else layout.num_pages
+    indptr = np.empty(batch_size + 1, dtype=np.int32)
+    last = np.ones(batch_size, dtype=np.int32)
+    coords = np.zeros((2, batch_size), dtype=np.int32)
+    pages = np.full(listed + pad, dummy_page, dtype=np.int32)
+    if layout is None or indices is None:
+        indptr[0] = 0
+    else:
+        indptr[: real + 1] = layout.indptr.numpy()
+        last[:real] = layout.last_page_len.numpy()
+        coords[0, :real] = layout.kv_lens.numpy() - 1
+        pages[:listed] = indices.numpy()
+    indptr[real + 1 :] = listed + np.arange(1, pad + 1, dtype=np.int32)
+    coords[1] = pages[indptr[1:] - 1] * page_size + last - 1
+    return DecodeGraphMeta(indptr, last, coords, pages)

@@ -3,6 +3,7 @@ kernel params."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,9 +11,7 @@ from tandem.engine.attention.base import LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
     append_coordinates,
-    decode_slots,
-    empty_layout,
-    pad_layout,
+    decode_graph_meta,
     page_indices,
     paged_layout,
 )
@@ -95,15 +94,17 @@ def test_decode_slots_are_the_new_tokens_slots_and_padding_the_dummy_page(page_s
     start_t = torch.tensor(kv_start, dtype=torch.int32)
     layout = paged_layout(torch.tensor(seq, dtype=torch.int32), start_t, page_size)
     dummy = 10_000
-    indices = torch.cat(
-        [page_indices(table, start_t, layout, page_size), torch.full((3,), dummy, dtype=torch.int32)]
-    )
-    slots = decode_slots(pad_layout(layout, len(seq) + 3), indices, page_size)
-    assert slots.dtype == torch.int32
+    indices = page_indices(table, start_t, layout, page_size)
+    meta = decode_graph_meta(layout, indices, len(seq) + 3, dummy, page_size)
+    assert meta.coords.dtype == np.int32
     expected = [
         int(table[b, (n - 1) // page_size]) * page_size + (n - 1) % page_size for b, n in enumerate(seq)
     ]
-    assert slots.tolist() == expected + [dummy * page_size] * 3
+    assert meta.coords[1].tolist() == expected + [dummy * page_size] * 3
+    # Row 0: the new token's index in its row's listed KV (the last one); padding rows' is 0.
+    kv_lens = [n - s for n, s in zip(seq, kv_start)]
+    assert meta.coords[0].tolist() == [n - 1 for n in kv_lens] + [0] * 3
+    assert meta.indices.tolist() == indices.tolist() + [dummy] * 3
 
 
 def test_rows_without_live_tokens_are_rejected() -> None:
@@ -113,14 +114,18 @@ def test_rows_without_live_tokens_are_rejected() -> None:
 
 def test_padding_rows_hold_one_token_on_one_page() -> None:
     layout = paged_layout(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 4)
-    padded = pad_layout(layout, 5)
+    indices = torch.tensor([7, 8, 3, 4, 5], dtype=torch.int32)
+    padded = decode_graph_meta(layout, indices, 5, 99, 4)
     assert padded.indptr.tolist() == [0, 2, 5, 6, 7, 8]
     assert padded.last_page_len.tolist() == [1, 1, 1, 1, 1]
-    assert pad_layout(layout, 2) is layout
+    assert padded.indices.tolist() == [7, 8, 3, 4, 5, 99, 99, 99]
+    unpadded = decode_graph_meta(layout, indices, 2, 99, 4)
+    assert unpadded.indptr.tolist() == [0, 2, 5] and unpadded.indices.tolist() == indices.tolist()
     with pytest.raises(ValueError):
-        pad_layout(layout, 1)
-    only_padding = pad_layout(empty_layout(), 3)
-    assert only_padding.indptr.tolist() == [0, 1, 2, 3] and only_padding.batch_size == 3
+        decode_graph_meta(layout, indices, 1, 99, 4)
+    only_padding = decode_graph_meta(None, None, 3, 99, 4)
+    assert only_padding.indptr.tolist() == [0, 1, 2, 3] and only_padding.indices.tolist() == [99] * 3
+    assert only_padding.coords.tolist() == [[0, 0, 0], [99 * 4] * 3]
 
 
 def test_pool_has_an_unowned_dummy_page_and_an_nhd_view() -> None:
