@@ -130,19 +130,20 @@ class FusedKernels:
 
     def tinygemm_fits(self, weight: torch.Tensor) -> bool:
         """Whether a [N, K] weight is a shape tinygemm serves and wins on: bf16, N a multiple of 16 whose
-        16-feature CTAs make one to two waves over the SMs, K a multiple of 64.
+        16-feature CTAs make at most two waves over the SMs, K a multiple of 64.
 
         tinygemm runs one 16-feature CTA per SM and streams the weight through TMA; with PDL it starts
         reading it while the kernel before it still runs, and it needs no split-K reduction. On an H200
-        it beat cuBLAS where its CTAs make one to two full waves (Llama-3.1-8B's o and down, 256 CTAs),
-        and lost where they make three or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json)."""
+        it beat cuBLAS up to two waves: Llama-3.1-8B's o and down (256 CTAs), and Qwen3-0.6B's o and
+        down (64 CTAs, under one wave, where cuBLAS picks few-CTA or split-K kernels). It lost at three
+        waves or more (q/k/v 384, gate/up 1,792: kernel-choices-chain*.json; see docs/tuning.md)."""
         n, k = weight.shape
         return (
             self._small_gemm is not None
             and weight.dtype == torch.bfloat16
             and n % 16 == 0
             and k % 64 == 0
-            and self.num_sms <= n // 16 <= 2 * self.num_sms
+            and n // 16 <= 2 * self.num_sms
             and weight.is_contiguous()
         )
 

@@ -4,10 +4,10 @@ Two library GEMMs, chosen once per engine (`EngineConfig.fp8_gemm`):
 - `"block"` (Hopper): flashinfer's `fp8_blockscale_gemm_sm90` (DeepGEMM's kernels). It takes the bf16
   activations and quantizes them itself, per token and 128 columns, inside the GEMM, and scales the
   weights per 128 x 128 block: block-scaled checkpoints keep their own blocks. Per-channel weights
-  (dynamic FP8, channel-scaled checkpoints) run with unit block scales and their channel scales applied
-  to the output, so they keep per-channel numerics: the kernel reads its weight scales as blocks whatever
-  their shape. On an H200 it beat bf16 cuBLAS at every row count timed, and the `_scaled_mm` route below
-  too (benchmarks/kernels/fp8_gemm.py).
+  (dynamic FP8, channel-scaled checkpoints) run there with unit block scales and their channel scales
+  applied to the output, so they keep per-channel numerics (the kernel reads its weight scales as blocks
+  whatever their shape), up to `BLOCK_ROUTE_MAX_ROWS` rows; larger inputs take `_scaled_mm` below,
+  which is faster there (`ChannelScaledMatMul`, benchmarks/kernels/fp8_gemm.py).
 - `"scaled_mm"` (other FP8 GPUs, or shapes the block kernel refuses): per-token activation scales from
   one Triton launch, then `torch._scaled_mm` with per-channel weight scales.
 
@@ -88,6 +88,29 @@ class ScaledMatMul:
         return out.view(*lead, -1)
 
 
+# Rows up to which per-channel FP8 runs on the block kernel (unit blocks, channel scales on its output);
+# above, `_scaled_mm` with per-token activation scales. On an H200 the block route won at 1-16 rows and
+# `_scaled_mm` from 256 rows up, and by far at prefill sizes, where the block route's extra pass over
+# the output costs as much as the FP8 GEMM saves (fp8-h200.json, `gemm_kernels`).
+BLOCK_ROUTE_MAX_ROWS = 64
+
+
+class ChannelScaledMatMul:
+    """The `MatMul` of a per-channel FP8 weight [N, K] (float32 scales [N]) on Hopper: the block kernel for
+    decode-sized inputs, `_scaled_mm` for larger ones. Both read the same FP8 weight; the choice is by
+    the input's rows, fixed for each CUDA graph since its shapes are."""
+
+    def __init__(self, channel: torch.Tensor, n: int, k: int) -> None:
+        unit = torch.ones(-(-n // BLOCK), k // BLOCK, device=channel.device)
+        self.small = BlockScaledMatMul(unit, channel)
+        self.large = ScaledMatMul(channel)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        route = self.small if rows <= BLOCK_ROUTE_MAX_ROWS else self.large
+        return route(x, weight, bias)
+
+
 def quantize_linears(
     modules: Iterable[ColumnParallelLinear | RowParallelLinear],
     *,
@@ -110,7 +133,7 @@ def quantize_linears(
             if round_trip:
                 weight.data.copy_(dequantize(*quantize_per_channel(weight.data)))
             continue
-        matmul: BlockScaledMatMul | ScaledMatMul
+        matmul: BlockScaledMatMul | ChannelScaledMatMul | ScaledMatMul
         if gemm == "block" and block_gemm_fits(weight):
             n, k = weight.shape
             if block == (BLOCK, BLOCK):
@@ -118,8 +141,7 @@ def quantize_linears(
                 matmul = BlockScaledMatMul(blocks)
             else:
                 wq, channel = quantize_per_channel(weight.data)
-                unit = torch.ones(-(-n // BLOCK), k // BLOCK, device=weight.device)
-                matmul = BlockScaledMatMul(unit, channel)
+                matmul = ChannelScaledMatMul(channel, n, k)
         elif scaled_mm_fits(weight):
             wq, channel = quantize_per_channel(weight.data)
             matmul = ScaledMatMul(channel)

@@ -36,19 +36,19 @@ def _needs_fp8() -> None:
         pytest.skip("rowwise-scaled FP8 GEMMs need compute capability 9.0")
 
 
-@pytest.mark.parametrize("gemm", ["block", "block_channel", "scaled_mm"])
+@pytest.mark.parametrize("gemm", ["block", "block_channel", "scaled_mm", "channel"])
 @pytest.mark.parametrize("rows", [1, 8, 200])
 def test_fp8_matmul_matches_bf16_on_dequantized_weights(rows: int, gemm: str) -> None:
     """Each FP8 GEMM against float32 on the weights it dequantizes to, eagerly and replayed in a graph."""
     from tandem.engine.quant.fp8_format import dequantize, quantize_blocks, quantize_per_channel
-    from tandem.engine.quant.fp8_linear import BlockScaledMatMul, ScaledMatMul
+    from tandem.engine.quant.fp8_linear import BlockScaledMatMul, ChannelScaledMatMul, ScaledMatMul
 
     _needs_fp8()
     if gemm != "scaled_mm" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("flashinfer's block-scaled FP8 GEMM is for SM90")
     g = torch.Generator(device="cuda").manual_seed(rows)
     weight = torch.randn(1024, 4096, device="cuda", generator=g).bfloat16() * 0.02
-    mm: BlockScaledMatMul | ScaledMatMul
+    mm: BlockScaledMatMul | ChannelScaledMatMul | ScaledMatMul
     if gemm == "block":
         wq, scale = quantize_blocks(weight, (128, 128))
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
@@ -58,7 +58,12 @@ def test_fp8_matmul_matches_bf16_on_dequantized_weights(rows: int, gemm: str) ->
         wq, channel = quantize_per_channel(weight)
         reference = dequantize(wq, channel)
         unit = torch.ones(8, 32, device="cuda")
-        mm = BlockScaledMatMul(unit, channel) if gemm == "block_channel" else ScaledMatMul(channel)
+        if (
+            gemm == "channel"
+        ):  # the engine's per-channel route: the block kernel up to 64 rows, then scaled_mm
+            mm = ChannelScaledMatMul(channel, *weight.shape)
+        else:
+            mm = BlockScaledMatMul(unit, channel) if gemm == "block_channel" else ScaledMatMul(channel)
     x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
     got = mm(x, wq, None)
     want = x.float() @ reference.T
