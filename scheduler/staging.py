@@ -27,7 +27,8 @@ _TORCH_DTYPES = {
 
 @dataclass(frozen=True)
 class Staged:
-    """Views of the packed arrays: on the host (pinned on CUDA) and on the device."""
+    """The added arrays as tensors: on the host (the arrays themselves on CUDA; views of the packed buffer
+    on CPU) and on the device (views of the packed buffer's device copy)."""
 
     host: list[torch.Tensor]
     device: list[torch.Tensor]

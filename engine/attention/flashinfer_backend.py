@@ -213,13 +213,9 @@ class FlashInferBackend:
         # Every real row lists at most max_pages_per_row pages; each padding row lists one.
         capacity = max_bs * (max_pages_per_row + 1)
         for group in self.groups:
-            self._graph[group.group_id] = buffers = GraphBuffers.allocate(
-                max_bs,
-                capacity,
-                group.num_pages,
-                self.device,
-                {},  # num_pages: KVPool's dummy page
-            )
+            dummy = group.num_pages  # KVPool's dummy page
+            buffers = GraphBuffers.allocate(max_bs, capacity, dummy, self.device, wrappers={})
+            self._graph[group.group_id] = buffers
             buffers.wrappers.update(
                 {
                     bs: flashinfer.BatchDecodeWithPagedKVCacheWrapper(

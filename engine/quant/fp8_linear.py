@@ -91,7 +91,7 @@ class ScaledMatMul:
 # Rows up to which per-channel FP8 runs on the block kernel (unit blocks, channel scales on its output);
 # above, `_scaled_mm` with per-token activation scales. On an H200 the block route won at 1-16 rows and
 # `_scaled_mm` from 256 rows up, and by far at prefill sizes, where the block route's extra pass over
-# the output costs as much as the FP8 GEMM saves (fp8-h200.json, `gemm_kernels`).
+# the output costs as much as the FP8 GEMM saves (fp8-h200.json: `gemm_kernels`, `gemm_kernels_by_rows`).
 BLOCK_ROUTE_MAX_ROWS = 64
 
 
