@@ -70,11 +70,12 @@ class Staging:
             offset += size + pad
         on_device = buffer.to(self.device, non_blocking=True) if self.pin else buffer
         chunks = on_device[:total].split(sizes)[::2]
-        device = [
-            chunk.view(_TORCH_DTYPES[array.dtype]).view(array.shape)
-            if array.ndim != 1
-            else chunk.view(_TORCH_DTYPES[array.dtype])
-            for chunk, array in zip(chunks, self._arrays)
-        ]
+        device = [_typed(chunk, array) for chunk, array in zip(chunks, self._arrays)]
         host = [torch.from_numpy(array) for array in self._arrays] if self.pin else device
         return Staged(host, device)
+
+
+def _typed(chunk: torch.Tensor, array: npt.NDArray[np.generic]) -> torch.Tensor:
+    """The bytes of `chunk` as `array`'s dtype and shape (a 1-D view needs no reshape)."""
+    typed = chunk.view(_TORCH_DTYPES[array.dtype])
+    return typed if array.ndim == 1 else typed.view(array.shape)

@@ -58,9 +58,8 @@ def test_fp8_matmul_matches_bf16_on_dequantized_weights(rows: int, gemm: str) ->
         wq, channel = quantize_per_channel(weight)
         reference = dequantize(wq, channel)
         unit = torch.ones(8, 32, device="cuda")
-        if (
-            gemm == "channel"
-        ):  # the engine's per-channel route: the block kernel up to 64 rows, then scaled_mm
+        # "channel" is the engine's per-channel route: the block kernel up to 64 rows, then scaled_mm.
+        if gemm == "channel":
             mm = ChannelScaledMatMul(channel, *weight.shape)
         else:
             mm = BlockScaledMatMul(unit, channel) if gemm == "block_channel" else ScaledMatMul(channel)
