@@ -2,7 +2,8 @@
 
 Both act on the float32 logits after penalties and before temperature and the filters, as in vLLM, on
 a copy, so the logprobs the API reports stay those of the model; a batch the one-pass sampler takes (no
-logprobs, penalties, filters or biases) has its bitmask rows masked in place instead. The bitmask is
+logprobs, penalties, filters or biases) has its bitmask applied inside the race kernel instead
+(sampling_race.py). The bitmask is
 xgrammar's packed format (bit v % 32 of word v // 32), applied with xgrammar's kernel: its Triton kernel
 on CUDA, its C++ loop on CPU. Only the constrained rows are gathered and masked.
 """
@@ -29,10 +30,7 @@ def constrain_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def apply_bitmask_(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Disallowed tokens of the bitmask's rows at -inf, in place; the other rows are not touched.
-
-    The one-pass sampler (sampler.py) calls this on the LM head's own output, which nothing reads after
-    sampling, so a constrained batch needs no copy of the whole [B, V]."""
+    """Disallowed tokens of the bitmask's rows at -inf, in place; the other rows are not touched."""
     assert batch.bitmask is not None and batch.bitmask_rows is not None
     rows = logits.index_select(0, batch.bitmask_rows)
     vocab = logits.shape[-1] if batch.bitmask_vocab is None else min(batch.bitmask_vocab, logits.shape[-1])

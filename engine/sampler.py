@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tandem.engine.batch import SamplingBatch
-from tandem.engine.constraints import apply_bitmask_, constrain_logits
+from tandem.engine.constraints import constrain_logits
 
 _MASK32 = 0xFFFFFFFF
 # Temperatures below this are greedy, as in vLLM: dividing by them would overflow the logits.
@@ -174,7 +174,7 @@ class Sampler:
 
     `race` (sampling_race.py, on CUDA with fused kernels on and Triton present) takes every batch
     without penalties, filters, biases or logprobs, seeded or not: the race in one pass over the logits
-    as the LM head left them (structured-output rows masked in place first), where the other paths
+    as the LM head left them (structured-output rows masked inside the race), where the other paths
     first make a float32 copy, divide it and draw.
 
     `fuse=True` (for CUDA) compiles the race with torch.compile: the eager hash makes ~25 passes over
@@ -207,8 +207,7 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[-1]} columns, vocabulary has {self.vocab_size}")
         if self._one_pass(batch):
             assert self._race_one_pass is not None
-            if batch.bitmask is not None:  # structured-output rows: masked where they lie, no copy
-                apply_bitmask_(logits, batch)
+            # Structured-output rows are masked inside the race: no copy, no gather and scatter.
             tokens = self._race_one_pass(
                 logits,
                 batch.temperature,
@@ -216,6 +215,9 @@ class Sampler:
                 batch.steps,
                 self._vocab_keys,
                 vocab_size=self.vocab_size,
+                bitmask=batch.bitmask,
+                bitmask_rows=batch.bitmask_rows,
+                bitmask_vocab=batch.bitmask_vocab,
             )
             return SampleResult(tokens, None, None, None)
         raw = logits[:, : self.vocab_size].float()
@@ -229,12 +231,12 @@ class Sampler:
 
     def warm_up(self, logits_dtype: torch.dtype) -> str | None:
         """Compile the one-pass race for every batch-size class it has (one per power-of-two slice
-        count), for logits of `logits_dtype` as the model hands them over (Triton builds a kernel per
-        input dtype: warmed for another, the first requests would pay for seven builds), so no request
-        waits on a build, and check its tokens against the torch race on a small batch. On any failure
-        the race is switched off, and the reason returned for the log. The constraints' bitmask kernel
-        is built first, whatever the race."""
-        self._warm_up_constraints(logits_dtype)
+        count), plain and with structured-output rows masked, for logits of `logits_dtype` as the model
+        hands them over (Triton builds a kernel per input dtype: warmed for another, the first requests
+        would pay for fourteen builds), so no request waits on a build, and check its tokens against the
+        torch path on a small batch. On any failure the race is switched off, and the reason returned for
+        the log. The constraints' bitmask kernel is built first, whatever the race."""
+        self._warm_up_constraints()
         if self._race_one_pass is None or self._vocab_keys is None:
             return None
         device = self._vocab_keys.device
@@ -245,20 +247,51 @@ class Sampler:
         temperature = torch.tensor([0.7, 0.0, 1.3], device=device)
         seeds = torch.tensor([11, 2**40 + 7, -5], device=device)
         steps = torch.tensor([0, 3, 1000], device=device)
-        raw = logits.float()
-        scaled = raw / torch.where(temperature < GREEDY_EPS, 1.0, temperature)[:, None]
-        want = torch.where(temperature < GREEDY_EPS, raw.argmax(-1), exponential_race(scaled, seeds, steps))
+        plain = SamplingBatch.greedy(3, device)
+        plain = replace(
+            plain,
+            temperature=temperature,
+            seeds=seeds,
+            steps=steps,
+            all_greedy=False,
+            any_greedy=True,
+            any_explicit_seed=True,  # the torch path's seeded race: the draw the one pass must match
+        )
+        # Rows 0 and 1 constrained: row 0 to every other token of the tokenizer's first half (a head
+        # padded past the tokenizer), row 1 to one token.
+        half = self.vocab_size // 2
+        allowed = torch.zeros(2, self.vocab_size, dtype=torch.bool, device=device)
+        allowed[0, :half:2] = True
+        allowed[1, half - 1] = True
+        masked = replace(
+            plain,
+            bitmask=_pack_bits(allowed),
+            bitmask_rows=torch.tensor([0, 1], device=device),
+            bitmask_vocab=half,
+        )
         try:
-            for slices in (1, 2, 4, 8, 16, 32, 64):
-                got = self._race_one_pass(logits, temperature, seeds, steps, self._vocab_keys, slices=slices)
-                if not torch.equal(got, want):
-                    raise RuntimeError(f"tokens {got.tolist()} against the torch race's {want.tolist()}")
+            for batch in (plain, masked):
+                want = self(logits, replace(batch, num_logprobs=0)).next_tokens  # the torch path
+                for slices in (1, 2, 4, 8, 16, 32, 64):
+                    got = self._race_one_pass(
+                        logits,
+                        temperature,
+                        seeds,
+                        steps,
+                        self._vocab_keys,
+                        slices=slices,
+                        bitmask=batch.bitmask,
+                        bitmask_rows=batch.bitmask_rows,
+                        bitmask_vocab=batch.bitmask_vocab,
+                    )
+                    if not torch.equal(got, want):
+                        raise RuntimeError(f"tokens {got.tolist()} against the torch path's {want.tolist()}")
         except Exception as exc:  # a build or launch failure as much as a wrong token
             self._race_one_pass = None
             return f"one-pass sampling race off: {exc!r}"
         return None
 
-    def _warm_up_constraints(self, logits_dtype: torch.dtype) -> None:
+    def _warm_up_constraints(self) -> None:
         """Build the bitmask kernel (xgrammar's Triton kernel on CUDA) now, not on the first
         structured-output request."""
         device = self._generator.device
@@ -267,8 +300,6 @@ class Sampler:
         rows = torch.zeros(1, dtype=torch.int64, device=device)
         masked = replace(batch, bitmask=bitmask, bitmask_rows=rows)
         constrain_logits(torch.zeros(1, self.vocab_size, device=device), masked)
-        # The one-pass path masks the LM head's output in its own dtype: a kernel build of its own.
-        apply_bitmask_(torch.zeros(1, self.vocab_size, dtype=logits_dtype, device=device), masked)
 
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
@@ -297,6 +328,15 @@ class Sampler:
             return sampled
         # Penalties apply to greedy rows too; filters never remove the top token, so plain argmax is right.
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [G, V] -> int32 [G, ceil(V / 32)] in xgrammar's packing: bit v % 32 of word v // 32."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64, device=allowed.device)
+    padded[:, :vocab] = allowed.to(torch.int64)
+    words = (padded.view(rows, -1, 32) << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int) -> SampleResult:

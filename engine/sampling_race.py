@@ -44,7 +44,8 @@ def _mix32(x):  # type: ignore[no-untyped-def]  # Wellons' lowbias32 on uint32, 
     return x
 
 
-@triton.jit
+# The mask's sizes vary by batch and tokenizer: specialized, each new value could build a variant mid-run.
+@triton.jit(do_not_specialize=["masked_rows", "mask_stride", "mask_vocab"])
 def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     logits_ptr,
     temperature_ptr,
@@ -53,15 +54,32 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     vocab_key_ptr,
     best_val_ptr,
     best_idx_ptr,
+    mask_ptr,  # int32 [G, mask_stride]: xgrammar's packed bitmasks (MASKED)
+    mask_rows_ptr,  # int64 [G]: the batch row of each bitmask row (MASKED)
     stride_row,
     vocab,
     slices,
     greedy_eps,
+    masked_rows,
+    mask_stride,
+    mask_vocab,
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,  # per slice; a constant so the loop has a fixed trip count
+    MASKED: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
+    mask_row = tl.full([], -1, tl.int32)  # this row's bitmask row; -1: unconstrained
+    if MASKED:
+        # A scan of the (at most a batch of) listed rows, from L2 after the first program.
+        for i in range(0, masked_rows, 64):
+            lane = i + tl.arange(0, 64)
+            listed = tl.load(mask_rows_ptr + lane, mask=lane < masked_rows, other=-1)
+            mask_row = tl.maximum(mask_row, tl.max(tl.where(listed == row, lane, -1), axis=0))
+    constrained = mask_row >= 0
+    # Ids past the tokenizer's have no text: a grammar never allows them.
+    limit = tl.where(constrained, mask_vocab, vocab)
+    mask_base = mask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
     seed = tl.load(seed_ptr + row).to(tl.int64)
     step = tl.load(step_ptr + row).to(tl.int64)
     # The row key, as log_exponential_noise builds it: step, then the seed's high and low words.
@@ -88,7 +106,14 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
         u = ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
         log_e = tl.log(-tl.log(u))
         value = logit.to(tl.float32) / divisor - noise_scale * log_e
-        value = tl.where(inside, value, float("-inf"))
+        allowed = inside
+        if MASKED:
+            below = inside & (v < limit)
+            # A select, not `below & constrained`: Triton's interpreter types the scalar comparison as
+            # int32, and rejects an int32 mask (compiled, the two are the same code).
+            word = tl.load(mask_base + v // 32, mask=tl.where(constrained, below, False), other=-1)
+            allowed = below & (((word >> (v % 32)) & 1) != 0)
+        value = tl.where(allowed, value, float("-inf"))
         better = value > best_val  # strict: a lane keeps its earliest index on ties
         best_val = tl.where(better, value, best_val)
         best_idx = tl.where(better, v, best_idx)
@@ -122,11 +147,18 @@ def race_sample(
     vocab_size: int | None = None,
     block: int = 1024,
     slices: int | None = None,
+    bitmask: torch.Tensor | None = None,
+    bitmask_rows: torch.Tensor | None = None,
+    bitmask_vocab: int | None = None,
 ) -> torch.Tensor:
     """int64 [B]: per row, argmax(logits / T - log E(seed, step, v)) over the first `vocab_size`
     columns; the plain argmax where T < GREEDY_EPS. logits [B, V'] in any float dtype (rows may be
     strided, V' >= vocab_size), temperature float32 [B], seeds and steps int64 [B], `columns` from
-    `sampler.race_keys(vocab_size)`."""
+    `sampler.race_keys(vocab_size)`.
+
+    `bitmask` int32 [G, W] (xgrammar's packing) constrains the batch rows `bitmask_rows` (int64 [G]):
+    their tokens with a clear bit, and ids from `bitmask_vocab` on, are never drawn; a row left with
+    nothing drawable gets 0, as for all -inf logits."""
     rows = logits.shape[0]
     vocab = vocab_size or logits.shape[1]
     if logits.stride(1) != 1 or vocab > logits.shape[1]:
@@ -142,6 +174,14 @@ def race_sample(
     best_val = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    masked = bitmask is not None
+    if masked != (bitmask_rows is not None):
+        raise ValueError("give the bitmask and its batch rows together")
+    if bitmask is not None and (bitmask.dtype != torch.int32 or bitmask.stride(1) != 1):
+        raise ValueError("the bitmask must be int32 with a contiguous last dim (xgrammar's)")
+    mask_vocab = min(bitmask_vocab or vocab, vocab)
+    if bitmask is not None and 32 * bitmask.shape[1] < mask_vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot speak for {mask_vocab} ids")
     partial: Any = race_partial_kernel[(rows, slices)]
     partial(
         logits,
@@ -151,12 +191,18 @@ def race_sample(
         columns,
         best_val,
         best_idx,
+        bitmask if bitmask is not None else best_idx,  # placeholders unmasked: never read
+        bitmask_rows if bitmask_rows is not None else seeds,
         logits.stride(0),
         vocab,
         slices,
         GREEDY_EPS,
+        0 if bitmask_rows is None else bitmask_rows.shape[0],
+        0 if bitmask is None else bitmask.stride(0),
+        mask_vocab,
         BLOCK=block,
         BLOCKS=per_slice,
+        MASKED=masked,
     )
     reduce: Any = race_reduce_kernel[(rows,)]
     reduce(best_val, best_idx, out, slices, SLICES=triton.next_power_of_2(slices))

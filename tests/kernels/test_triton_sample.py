@@ -127,3 +127,61 @@ def test_the_sampler_takes_the_race_only_where_it_covers_the_batch(
     # Warm-up builds every slice count and agrees; a wrong race is caught there and not used after.
     assert out["warm_up"] is None
     assert "one-pass sampling race off" in out["wrong_warm_up"] and out["wrong_after"]
+
+
+MASKED_SCRIPT = """
+import json, sys, torch
+from dataclasses import replace
+from tandem.engine.batch import SamplingBatch
+from tandem.engine.sampler import Sampler, _pack_bits, race_keys
+from tandem.engine.sampling_race import race_sample
+
+rows, vocab, width, tokenizer = 6, 700, 768, 650  # a head padded past the model's vocab and the tokenizer
+g = torch.Generator().manual_seed(11)
+logits = (torch.randn(rows, width, generator=g) * 3).to(torch.bfloat16)
+temps = torch.rand(rows, generator=g) + 0.3
+temps[4] = 0.0  # a greedy constrained row
+seeds = torch.randint(0, 2**40, (rows,), generator=g)
+steps = torch.arange(rows) * 5
+constrained = [4, 1, 5]  # not in batch order
+allowed = torch.rand(3, tokenizer, generator=g) < 0.05
+allowed[0, :] = False
+allowed[0, [7, 300, 649]] = True  # the greedy row: three tokens, the last id the tokenizer has
+allowed[2, :] = False  # nothing allowed: the row gets 0, as for all -inf logits
+bitmask = _pack_bits(allowed)
+batch = SamplingBatch.greedy(rows)
+batch = replace(batch, temperature=temps, seeds=seeds, steps=steps, all_greedy=False, any_greedy=True,
+                any_explicit_seed=True, bitmask=bitmask, bitmask_rows=torch.tensor(constrained),
+                bitmask_vocab=tokenizer)
+want = Sampler(vocab)(logits, batch).next_tokens  # the torch path: xgrammar's mask on a float32 copy
+columns = race_keys(vocab, torch.device("cpu"))
+out = {"want": want.tolist(), "got": {}}
+for slices in (1, 4, None):
+    got = race_sample(logits, temps, seeds, steps, columns, vocab_size=vocab, block=128, slices=slices,
+                      bitmask=bitmask, bitmask_rows=batch.bitmask_rows, bitmask_vocab=tokenizer)
+    out["got"][str(slices)] = got.tolist()
+plain = race_sample(logits, temps, seeds, steps, columns, vocab_size=vocab, block=128)
+out["plain"] = plain.tolist()
+out["allowed"] = {str(r): allowed[i].nonzero().flatten().tolist() for i, r in enumerate(constrained)}
+out["argmax_allowed_4"] = int(torch.where(allowed[0], logits[4, :tokenizer].float(), -torch.inf).argmax())
+print(json.dumps(out))
+"""
+
+
+def test_masks_structured_rows_inside_the_race_in_the_interpreter(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    out = triton_interpreter(MASKED_SCRIPT, None)
+    want = out["want"]
+    for slices, got in out["got"].items():
+        # Every row as the torch path draws it after xgrammar's mask, whatever the slicing.
+        assert got == want, slices
+    for row, allowed in out["allowed"].items():
+        if allowed:
+            assert want[int(row)] in allowed, row  # a constrained row draws only what its grammar allows
+        else:
+            assert want[int(row)] == 0, row
+    assert want[4] == out["argmax_allowed_4"]  # greedy and constrained: the best allowed token
+    # Unconstrained rows are drawn as with no mask at all; the constrained ones were moved by it.
+    assert [want[r] for r in (0, 2, 3)] == [out["plain"][r] for r in (0, 2, 3)]
+    assert any(want[r] != out["plain"][r] for r in (1, 4, 5))
