@@ -1,4 +1,4 @@
-"""Full CUDA graphs for decode: the model body (embedding through final norm) per padded batch size."""
+"""Full CUDA graphs for decode: the model (embedding through the LM head) per padded batch size."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ class DecodeGraphRunner:
 
     The graphs read token ids and positions from static buffers and the attention backend's fixed
     metadata buffers, which `run` re-plans outside the graph before each replay. Padding rows read
-    and write only the KV pool's dummy page. Logits and sampling run after the graph, on the real
-    rows only, so graph outputs stay small (hidden states, not vocab-wide logits).
+    and write only the KV pool's dummy page. Every graph writes its logits into one buffer of the
+    largest size's rows, so the LM head is part of the replay (no launch of its own on the host) and
+    the graphs hold one vocab-wide output between them, not one each. Its rows are read (sampled) on
+    the engine stream before the next replay overwrites them. Sampling runs after the graph.
 
     Each size's `KernelPlan` is resolved once, here, and captured with its graph.
     """
@@ -67,6 +69,8 @@ class DecodeGraphRunner:
         self.max_pages_per_row = max_pages_per_row
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        width = model.lm_head.padded_vocab
+        self.logits = torch.empty(self.sizes[-1], width, dtype=model.logits_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -86,10 +90,10 @@ class DecodeGraphRunner:
             # Warm up on the capture stream: lazy cuBLAS/NCCL setup and kernel JIT builds must not
             # happen during capture.
             with torch.cuda.stream(stream):
-                self.model(ids, pos, ctx)
+                self.model.compute_logits(self.model(ids, pos, ctx), out=self.logits[:bs])
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, memory, stream):
-                self.outputs[bs] = self.model(ids, pos, ctx)
+                self.outputs[bs] = self.model.compute_logits(self.model(ids, pos, ctx), out=self.logits[:bs])
             self.graphs[bs] = graph
             current.wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -99,7 +103,8 @@ class DecodeGraphRunner:
         return padded_size(batch.batch_size, self.sizes) if batch.is_decode else None
 
     def run(self, batch: ForwardBatch, graph_bs: int) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a decode batch, through the graph for `graph_bs`."""
+        """Logits [B, vocab] of a decode batch, through the graph for `graph_bs`: a view of the shared
+        buffer, valid until the next replay (stream-ordered after whatever reads it first)."""
         n = batch.batch_size
         self.attention.plan_decode_graph(batch, graph_bs)
         # Stale ids/positions in padding rows are harmless: they are valid values from earlier batches.

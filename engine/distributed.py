@@ -28,13 +28,13 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate each rank's shard along the last dimension, in rank order."""
+    def all_gather_last_dim(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate each rank's shard along the last dimension, in rank order (into `out`, if given)."""
         if self.size == 1:
-            return x
+            return x if out is None else out.copy_(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1, out=out)
 
     def shard(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's even share of `total`; `total` must divide evenly."""

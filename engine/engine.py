@@ -165,7 +165,7 @@ class Engine:
         graphs = self.decode_graphs
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
         if graphs is not None and graph_bs is not None:
-            return self.model.compute_logits(graphs.run(batch, graph_bs))
+            return graphs.run(batch, graph_bs)
         self.attention.plan(batch)
         ctx = ForwardContext(self.attention, self.pool, EAGER)
         bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None

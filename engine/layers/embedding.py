@@ -61,10 +61,19 @@ class ParallelLMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.zeros_like(embedding.weight), False)
 
+    @property
+    def padded_vocab(self) -> int:
+        """The logits' width before the cut to `vocab_size`: every rank's slice, gathered."""
+        return self.part * self.tp.size
+
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         load_vocab_rows(self.weight, source, self.start, self.vocab_size, "the LM head")
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        logits = self.tp.all_gather_last_dim(logits)
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., vocab_size] logits; with `out` ([..., padded vocab], the weight's dtype) written there,
+        with no buffer between (at TP 1 the GEMM itself writes `out`)."""
+        if out is not None and self.tp.size == 1:
+            logits = torch.matmul(hidden, self.weight.t(), out=out)
+        else:
+            logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight), out=out)
         return logits[..., : self.vocab_size]

@@ -187,12 +187,18 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).to(self.logits_dtype)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, vocab] in `logits_dtype`. `out` ([B, padded vocab], `logits_dtype`): a fixed buffer to
+        write them into, as a decode graph does (the result is its view)."""
         cap = self.config.final_softcap
+        if cap is None and self.logits_dtype == self.lm_head.weight.dtype:
+            return self.lm_head(hidden, out=out)  # type: ignore[no-any-return]
+        logits = self.lm_head(hidden).to(self.logits_dtype)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits  # type: ignore[no-any-return]
+        if out is None:
+            return logits  # type: ignore[no-any-return]
+        return out[:, : logits.shape[1]].copy_(logits)
 
     def loaders(self) -> dict[str, tuple[Loadable, int, bool]]:
         """Checkpoint tensor name -> (module that loads it, shard id, is_bias)."""

@@ -96,3 +96,32 @@ def test_tp2_gloo_matches_tp1(family: str, tiny_model_dir, tmp_path: Path) -> No
     assert results[0] == results[1], "TP ranks disagree on sampled tokens"
     assert results[0] == single
     assert all(len(t) > 0 for t in single.values())
+
+
+def _gather_worker(rank: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tp = TPGroup(rank, 2, dist.group.WORLD)
+    shard = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+    out = torch.full((3, 6), -1.0)  # one row more than the batch, as a decode graph's shared buffer
+    got = tp.all_gather_last_dim(shard, out=out[:2])
+    queue.put((rank, got.tolist(), out.tolist(), tp.all_gather_last_dim(shard).tolist()))
+    dist.destroy_process_group()
+
+
+def test_all_gather_into_a_fixed_buffer_over_gloo() -> None:
+    """The LM head's gather at TP 2 written into a caller's buffer (a decode graph's logits) is the plain
+    gather's result, in rank order, and leaves the buffer's other rows alone."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gather_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    want = [[0.0, 1.0, 2.0, 10.0, 11.0, 12.0], [3.0, 4.0, 5.0, 13.0, 14.0, 15.0]]
+    for got, out, plain in results.values():
+        assert got == want and plain == want
+        assert out == [*want, [-1.0] * 6]
