@@ -18,7 +18,7 @@ from tandem.engine.batch import AttentionGroupBatch, SamplingBatch
 from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
-from tandem.scheduler.slot_params import SlotParams
+from tandem.scheduler.slot_params import FLOAT_PARAMS, INT_PARAMS, SlotParams
 from tandem.scheduler.staging import Staging
 from tandem.scheduler.table import RequestTable
 
@@ -146,25 +146,25 @@ class BatchBuilder:
     def _stage_sampling(
         self, stage: Staging, rows: list[Row], slots: IntArray, device_lens: IntArray
     ) -> _StagedSampling:
+        """The rows' sampling parameters, staged as two tables (float32 and int64), one row per parameter:
+        rows padded to 16 bytes, so each parameter's device view is aligned whatever the batch size
+        (Triton builds a kernel variant per pointer alignment)."""
         p = self.params
-        temperature, top_p, top_k = p.temperature[slots], p.top_p[slots], p.top_k[slots]
-        min_p, logprobs = p.min_p[slots], p.logprobs[slots]
-        prompt_lens = p.prompt_len[slots]
-        steps = device_lens - prompt_lens  # outputs scheduled so far: the index of this row's sample
+        width = -(-len(rows) // 4) * 4
+        floats = np.empty((len(FLOAT_PARAMS), width), dtype=np.float32)
+        floats[:, : len(rows)] = p.floats[:, slots]
+        ints = np.empty((len(INT_PARAMS) + 1, width), dtype=np.int64)
+        ints[: len(INT_PARAMS), : len(rows)] = p.ints[:, slots]
+        prompt_lens = ints[INT_PARAMS.index("prompt_len"), : len(rows)]
+        # Outputs scheduled so far: the index of this row's sample.
+        steps = np.subtract(device_lens, prompt_lens, out=ints[len(INT_PARAMS), : len(rows)])
+        temperature, top_p, min_p = floats[0, : len(rows)], floats[1, : len(rows)], floats[2, : len(rows)]
+        top_k, logprobs = ints[0, : len(rows)], p.logprobs[slots]
         return _StagedSampling(
-            tensors={
-                **self._stage_bias(stage, slots, steps),
-                "temperature": stage.add(temperature, np.float32),
-                "top_p": stage.add(top_p, np.float32),
-                "top_k": stage.add(top_k, np.int64),
-                "min_p": stage.add(min_p, np.float32),
-                "seeds": stage.add(p.seed[slots], np.int64),
-                "steps": stage.add(steps, np.int64),
-                "presence_penalty": stage.add(p.presence_penalty[slots], np.float32),
-                "frequency_penalty": stage.add(p.frequency_penalty[slots], np.float32),
-                "repetition_penalty": stage.add(p.repetition_penalty[slots], np.float32),
-                "prompt_lens": stage.add(prompt_lens, np.int64),
-            },
+            floats=stage.add(floats, np.float32),
+            ints=stage.add(ints, np.int64),
+            rows=len(rows),
+            bias=self._stage_bias(stage, slots, steps),
             flags={
                 "all_greedy": bool((temperature == 0.0).all()),
                 "any_greedy": bool((temperature < GREEDY_EPS).any()),
@@ -216,31 +216,38 @@ class BatchBuilder:
 class _StagedSampling:
     """A SamplingBatch whose tensors are still indices into the staged arrays."""
 
-    tensors: dict[str, int]
+    floats: int  # [len(FLOAT_PARAMS), rows padded]
+    ints: int  # [len(INT_PARAMS) + 1, rows padded]: then the steps
+    rows: int
+    bias: dict[str, int]
     flags: dict[str, bool]
     num_logprobs: int
 
     def build(self, device_views: list[torch.Tensor]) -> SamplingBatch:
-        t = {name: device_views[i] for name, i in self.tensors.items()}
+        floats = dict(zip(FLOAT_PARAMS, device_views[self.floats][:, : self.rows].unbind(0), strict=True))
+        ints = dict(
+            zip((*INT_PARAMS, "steps"), device_views[self.ints][:, : self.rows].unbind(0), strict=True)
+        )
+        bias = {name: device_views[i] for name, i in self.bias.items()}
         f = self.flags
         return SamplingBatch(
-            temperature=t["temperature"],
-            top_p=t["top_p"],
-            top_k=t["top_k"],
-            min_p=t["min_p"],
-            seeds=t["seeds"],
-            steps=t["steps"],
-            presence_penalty=t["presence_penalty"],
-            frequency_penalty=t["frequency_penalty"],
-            repetition_penalty=t["repetition_penalty"],
-            prompt_lens=t["prompt_lens"],
+            temperature=floats["temperature"],
+            top_p=floats["top_p"],
+            top_k=ints["top_k"],
+            min_p=floats["min_p"],
+            seeds=ints["seed"],
+            steps=ints["steps"],
+            presence_penalty=floats["presence_penalty"],
+            frequency_penalty=floats["frequency_penalty"],
+            repetition_penalty=floats["repetition_penalty"],
+            prompt_lens=ints["prompt_len"],
             all_greedy=f["all_greedy"],
             any_greedy=f["any_greedy"],
             any_top_k_top_p=f["any_top_k_top_p"],
             any_min_p=f["any_min_p"],
             any_explicit_seed=f["any_explicit_seed"],
             num_logprobs=self.num_logprobs,
-            bias_rows=t.get("bias_rows"),
-            bias_ids=t.get("bias_ids"),
-            bias_values=t.get("bias_values"),
+            bias_rows=bias.get("bias_rows"),
+            bias_ids=bias.get("bias_ids"),
+            bias_values=bias.get("bias_values"),
         )

@@ -11,24 +11,37 @@ import numpy as np
 
 from tandem.scheduler.messages import SamplingSpec
 
+# The rows of `SlotParams.floats` and `SlotParams.ints`, in order: a batch gathers each table once.
+FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+INT_PARAMS = ("top_k", "seed", "prompt_len")
+
 
 class SlotParams:
-    """Columns indexed by request slot; a slot's values are meaningful only while it is taken."""
+    """Columns indexed by request slot; a slot's values are meaningful only while it is taken.
+
+    The parameters the sampler reads on the device are rows of two tables (`floats`, `ints`; the named
+    columns are views of their rows), so a batch gathers and stages two arrays, not nine."""
 
     def __init__(self, max_running: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         n = max_running
         self.eos_token_ids = eos_token_ids
-        self.temperature = np.zeros(n, dtype=np.float32)
-        self.top_p = np.ones(n, dtype=np.float32)
-        self.top_k = np.zeros(n, dtype=np.int64)
-        self.min_p = np.zeros(n, dtype=np.float32)
-        self.seed = np.zeros(n, dtype=np.int64)
+        self.floats = np.zeros((len(FLOAT_PARAMS), n), dtype=np.float32)
+        self.ints = np.zeros((len(INT_PARAMS), n), dtype=np.int64)
+        self.temperature, self.top_p, self.min_p = self.floats[0], self.floats[1], self.floats[2]
+        self.presence_penalty, self.frequency_penalty = self.floats[3], self.floats[4]
+        self.repetition_penalty = self.floats[5]
+        self.top_k, self.seed, self.prompt_len = self.ints[0], self.ints[1], self.ints[2]
+        self.top_p.fill(1.0)
+        self.repetition_penalty.fill(1.0)
         self.explicit_seed = np.zeros(n, dtype=bool)
-        self.presence_penalty = np.zeros(n, dtype=np.float32)
-        self.frequency_penalty = np.zeros(n, dtype=np.float32)
-        self.repetition_penalty = np.ones(n, dtype=np.float32)
         self.has_penalty = np.zeros(n, dtype=bool)
-        self.prompt_len = np.zeros(n, dtype=np.int64)
         self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none requested
         # Additive logit constraints (engine/constraints.py): logit_bias always, and -inf on the tokens
         # that would end the output while fewer than min_tokens outputs are scheduled.

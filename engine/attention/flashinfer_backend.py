@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flashinfer
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
 from tandem.engine.attention.flashinfer_buffers import AppendTargets, GraphBuffers
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
-    DecodeGraphMeta,
     PagedLayout,
     append_coordinates,
     decode_graph_meta,
@@ -97,6 +97,7 @@ class FlashInferBackend:
         self._graph: dict[int, GraphBuffers] = {}
         self._active: dict[int, Any] = {}
         self._append: dict[int, AppendTargets] = {}
+        self._graph_targets: dict[tuple[int, int], AppendTargets] = {}  # per (group, graph size), built once
         # The one-launch decode (triton_decode.py) of the graph sizes whose plans take it, in the KV groups
         # it serves; `_fused` holds the planned batch's buffers per such group, or None.
         # Per served group and graph size, built once: the graphs' buffers never move.
@@ -279,56 +280,46 @@ class FlashInferBackend:
         for group in self.groups:
             gid = group.group_id
             bufs = self._graph[gid]
-            layout = indices = None
-            if batch is not None:
+            kv_start = None  # full attention never evicts: every row's pages from its first
+            if batch is None:
+                seq_lens, table = np.zeros(0, dtype=np.int32), np.zeros((0, 1), dtype=np.int32)
+            else:
                 paging = batch.groups[gid]
-                layout = paged_layout(batch.seq_lens_cpu, paging.kv_start_cpu, self.page_size)
-                indices = page_indices(paging.page_table_cpu, paging.kv_start_cpu, layout, self.page_size)
-            # Padding rows list the dummy page alone (one token), so they store K/V only there.
-            meta = decode_graph_meta(layout, indices, graph_bs, group.num_pages, self.page_size)
-            host = self._stage_graph_meta(bufs, meta)
+                seq_lens, table = batch.seq_lens_cpu.numpy(), paging.page_table_cpu.numpy()
+                if group.window is not None:
+                    kv_start = paging.kv_start_cpu.numpy()
+            # Written straight into the staging buffer (padding rows list the dummy page alone, one
+            # token, so they store K/V only there), then sent in two copies.
+            meta = decode_graph_meta(
+                seq_lens, kv_start, table, graph_bs, group.num_pages, self.page_size, bufs.staged
+            )
+            listed = meta.indices.shape[0]
+            bufs.send(listed)
             wrapper = bufs.wrappers[graph_bs]
-            listed = bufs.indices[: meta.indices.shape[0]]
-            # flashinfer's plan copies indptr and last-page lengths into the graph's buffers (again), and
-            # the indices from `listed`, which already are its buffer: torch skips a copy onto itself.
-            plan = functools.partial(self._plan_decode, wrapper, gid, *host, listed)
+            plan = functools.partial(self._plan_graph_wrapper, wrapper, gid, bufs, graph_bs, listed)
             self._skipped.pop(gid, None)
             if batch is None or (gid, graph_bs) in self._wrapper_graphs:
                 plan()
             else:  # only the one launch reads the page lists: they are in place without a plan
                 self._skipped[gid] = plan
             self._active[gid] = wrapper
-            self._append[gid] = AppendTargets(
-                bufs.rows[:graph_bs],
-                bufs.coords[0, :graph_bs],
-                bufs.indices,
-                bufs.indptr[: graph_bs + 1],
-                bufs.last_page_len[:graph_bs],
-                bufs.coords[1, :graph_bs],
-            )
+            targets = self._graph_targets.get((gid, graph_bs))
+            if targets is None:
+                targets = self._graph_targets[(gid, graph_bs)] = bufs.append_targets(graph_bs)
+            self._append[gid] = targets
             self._fused[gid] = self._fused_by_size.get(gid, {}).get(graph_bs)
         self._record_plan()
 
-    def _stage_graph_meta(
-        self, bufs: GraphBuffers, meta: DecodeGraphMeta
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a decode graph's padded page lists into the group's staging buffer and start its two
-        copies to the graph's buffers; return indptr and last-page lengths as host views, for a plan.
-
-        The staging buffer is reused by the next plan only after `_wait_previous_plan`."""
-        bs = meta.last_page_len.shape[0]
-        staged = bufs.staging.numpy()
-        at_last, at_coords = bufs.last_at, bufs.coords_at
-        staged[: bs + 1] = meta.indptr
-        staged[at_last : at_last + bs] = meta.last_page_len
-        coords = staged[at_coords : at_coords + 2 * bufs.rows.shape[0]].reshape(2, -1)
-        coords[:, :bs] = meta.coords
-        listed = meta.indices.shape[0]
-        staged[bufs.header : bufs.header + listed] = meta.indices
-        bufs.meta[: bufs.header].copy_(bufs.staging[: bufs.header], non_blocking=True)
-        end = bufs.header + listed
-        bufs.meta[bufs.header : end].copy_(bufs.staging[bufs.header : end], non_blocking=True)
-        return bufs.staging[: bs + 1], bufs.staging[at_last : at_last + bs]
+    def _plan_graph_wrapper(
+        self, wrapper: Any, gid: int, bufs: GraphBuffers, graph_bs: int, listed: int
+    ) -> None:
+        """flashinfer's plan of a graph wrapper, from the staged host values. It copies indptr and the
+        last-page lengths into the graph's buffers (again), and the indices from its own buffer, which
+        torch skips as a copy onto itself."""
+        host = bufs.staging
+        at_last = bufs.last_at
+        indices = bufs.indices[:listed]
+        self._plan_decode(wrapper, gid, host[: graph_bs + 1], host[at_last : at_last + graph_bs], indices)
 
     def fused_decode(self, group_id: int) -> FusedDecode | None:
         return self._fused.get(group_id)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tandem.engine.attention.paged_layout import DecodeGraphMeta
+
 
 @dataclass(frozen=True)
 class AppendTargets:
@@ -35,6 +37,7 @@ class GraphBuffers:
 
     meta: torch.Tensor  # int32 [header + capacity], device
     staging: torch.Tensor  # int32 [header + capacity], host: the next plan's values
+    staged: DecodeGraphMeta  # numpy views of `staging` for the largest graph, where a plan writes
     header: int  # elements of `meta` before the indices, a multiple of 4 (16-byte aligned)
     last_at: int  # where the last-page lengths start in `meta` (indptr starts at 0)
     coords_at: int  # where the coords start
@@ -46,6 +49,24 @@ class GraphBuffers:
     # row 1 its flat pool slot (`new_kv_slots`).
     coords: torch.Tensor
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
+
+    def send(self, listed: int) -> None:
+        """Start the copies of a plan's staged values: the header whole, and the `listed` page indices."""
+        self.meta[: self.header].copy_(self.staging[: self.header], non_blocking=True)
+        end = self.header + listed
+        self.meta[self.header : end].copy_(self.staging[self.header : end], non_blocking=True)
+
+    def append_targets(self, batch_size: int) -> AppendTargets:
+        """Where a decode graph of `batch_size` rows stores new K/V: its own buffers, fixed per size."""
+        bs = batch_size
+        return AppendTargets(
+            self.rows[:bs],
+            self.coords[0, :bs],
+            self.indices,
+            self.indptr[: bs + 1],
+            self.last_page_len[:bs],
+            self.coords[1, :bs],
+        )
 
     @classmethod
     def allocate(
@@ -62,9 +83,17 @@ class GraphBuffers:
         indices.fill_(dummy_page)
         staging = torch.empty(meta.shape, dtype=torch.int32, pin_memory=device.type == "cuda")
         staging.copy_(meta)  # stale values past a batch's rows stay valid ones, as on the device
+        host = staging.numpy()
+        staged = DecodeGraphMeta(
+            indptr=host[: max_bs + 1],
+            last_page_len=host[last_at : last_at + max_bs],
+            coords=host[coords_at : coords_at + 2 * max_bs].reshape(2, max_bs),
+            indices=host[header:],
+        )
         return cls(
             meta=meta,
             staging=staging,
+            staged=staged,
             header=header,
             last_at=last_at,
             coords_at=coords_at,

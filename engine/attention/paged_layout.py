@@ -95,29 +95,64 @@ class DecodeGraphMeta:
     coords: npt.NDArray[np.int32]
     indices: npt.NDArray[np.int32]  # [indptr[-1]]
 
+    @classmethod
+    def empty(cls, batch_size: int, capacity: int) -> DecodeGraphMeta:
+        return cls(
+            np.empty(batch_size + 1, dtype=np.int32),
+            np.empty(batch_size, dtype=np.int32),
+            np.empty((2, batch_size), dtype=np.int32),
+            np.empty(capacity, dtype=np.int32),
+        )
+
 
 def decode_graph_meta(
-    layout: PagedLayout | None, indices: torch.Tensor | None, batch_size: int, dummy_page: int, page_size: int
+    seq_lens: npt.NDArray[np.integer],
+    kv_start: npt.NDArray[np.integer] | None,
+    page_table: npt.NDArray[np.int32],
+    batch_size: int,
+    dummy_page: int,
+    page_size: int,
+    out: DecodeGraphMeta,
 ) -> DecodeGraphMeta:
-    """`layout` and `indices` of the real rows (None: no real rows, as in a graph's capture), padded to
-    `batch_size` rows. int32 slots are ample: a pool of 2**31 token slots would need more than 512 GB
+    """Write the page lists of a decode batch (host arrays: its rows' lengths, first live tokens and
+    page-table rows) into `out`, padded to `batch_size` rows; return the filled views of `out` (whose
+    arrays may be longer: a staging buffer sized for the largest graph). `kv_start` None: a group that
+    never evicts (every row's pages from its first).
+
+    It runs before every decode step, so it is a few whole-array numpy ops into `out`, with no arrays
+    per row and nothing kept. int32 throughout: a pool of 2**31 token slots would need more than 512 GB
     per layer."""
-    real = 0 if layout is None else layout.batch_size
+    real = seq_lens.shape[0]
     pad = batch_size - real
     if pad < 0:
         raise ValueError(f"cannot pad {real} rows down to {batch_size}")
-    listed = 0 if layout is None else layout.num_pages
-    indptr = np.empty(batch_size + 1, dtype=np.int32)
-    last = np.ones(batch_size, dtype=np.int32)
-    coords = np.zeros((2, batch_size), dtype=np.int32)
-    pages = np.full(listed + pad, dummy_page, dtype=np.int32)
-    if layout is None or indices is None:
-        indptr[0] = 0
-    else:
-        indptr[: real + 1] = layout.indptr.numpy()
-        last[:real] = layout.last_page_len.numpy()
-        coords[0, :real] = layout.kv_lens.numpy() - 1
-        pages[:listed] = indices.numpy()
-    indptr[real + 1 :] = listed + np.arange(1, pad + 1, dtype=np.int32)
-    coords[1] = pages[indptr[1:] - 1] * page_size + last - 1
-    return DecodeGraphMeta(indptr, last, coords, pages)
+    indptr, last = out.indptr[: batch_size + 1], out.last_page_len[:batch_size]
+    coords, pages = out.coords[:, :batch_size], out.indices
+    indptr[0] = 0
+    listed = 0
+    if real:
+        seq = seq_lens.astype(np.int32, copy=False)
+        end = (seq + (page_size - 1)) // page_size
+        columns = np.arange(page_table.shape[1], dtype=np.int32)
+        live = columns < end[:, None]
+        if kv_start is None:
+            np.cumsum(end, out=indptr[1 : real + 1])
+            coords[0, :real] = seq - 1
+        else:
+            first = kv_start.astype(np.int32, copy=False) // page_size
+            if int((end - first).min()) < 1:
+                raise ValueError("every row needs at least one live KV page (kv_start must be below seq_len)")
+            np.cumsum(end - first, out=indptr[1 : real + 1])
+            live &= columns >= first[:, None]
+            coords[0, :real] = seq - first * page_size - 1
+        listed = int(indptr[real])
+        pages[:listed] = page_table[live]  # row-major: row by row, page by page, the CSR order
+        last[:real] = seq - (end - 1) * page_size
+        coords[1, :real] = pages[indptr[1 : real + 1] - 1] * page_size + (last[:real] - 1)
+    if pad:  # rows of the graph past the batch: one token on the dummy page each
+        indptr[real + 1 :] = np.arange(listed + 1, listed + pad + 1, dtype=np.int32)
+        pages[listed : listed + pad] = dummy_page
+        last[real:] = 1
+        coords[0, real:] = 0
+        coords[1, real:] = dummy_page * page_size  # the dummy page's first slot
+    return DecodeGraphMeta(indptr, last, coords, pages[: listed + pad])

@@ -10,6 +10,7 @@ import torch
 from tandem.engine.attention.base import LayerSpec
 from tandem.engine.attention.kernel_params import GroupKernel, group_kernels
 from tandem.engine.attention.paged_layout import (
+    DecodeGraphMeta,
     append_coordinates,
     decode_graph_meta,
     page_indices,
@@ -95,8 +96,12 @@ def test_decode_slots_are_the_new_tokens_slots_and_padding_the_dummy_page(page_s
     layout = paged_layout(torch.tensor(seq, dtype=torch.int32), start_t, page_size)
     dummy = 10_000
     indices = page_indices(table, start_t, layout, page_size)
-    meta = decode_graph_meta(layout, indices, len(seq) + 3, dummy, page_size)
+    bs = len(seq) + 3
+    meta = graph_meta(seq, kv_start, table.numpy(), bs, dummy, page_size)
     assert meta.coords.dtype == np.int32
+    # The same page lists as the eager plan's (paged_layout, page_indices), padded.
+    assert meta.indptr[: len(seq) + 1].tolist() == layout.indptr.tolist()
+    assert meta.last_page_len.tolist() == layout.last_page_len.tolist() + [1] * 3
     expected = [
         int(table[b, (n - 1) // page_size]) * page_size + (n - 1) % page_size for b, n in enumerate(seq)
     ]
@@ -107,23 +112,54 @@ def test_decode_slots_are_the_new_tokens_slots_and_padding_the_dummy_page(page_s
     assert meta.indices.tolist() == indices.tolist() + [dummy] * 3
 
 
+def graph_meta(
+    seq: list[int], kv_start: list[int], table: np.ndarray, bs: int, dummy: int, page_size: int, room: int = 2
+) -> DecodeGraphMeta:
+    """`decode_graph_meta` into arrays `room` entries longer than it needs, as a staging buffer sized
+    for a larger graph is, filled with -7 so a stray write shows."""
+    out = DecodeGraphMeta.empty(bs + room, 1024)
+    for array in (out.indptr, out.last_page_len, out.coords, out.indices):
+        array.fill(-7)
+    seq_a, start_a = np.array(seq, dtype=np.int32), np.array(kv_start, dtype=np.int32)
+    meta = decode_graph_meta(seq_a, start_a, table.astype(np.int32), bs, dummy, page_size, out)
+    assert out.indptr[bs + 1 :].tolist() == [-7] * room and out.coords[:, bs:].tolist() == [[-7] * room] * 2
+    assert out.indices[meta.indices.shape[0]] == -7
+    if not any(kv_start):  # a group that never evicts may say so: the same lists
+        first = [
+            meta.indptr.tolist(),
+            meta.last_page_len.tolist(),
+            meta.coords.tolist(),
+            meta.indices.tolist(),
+        ]
+        again = decode_graph_meta(seq_a, None, table.astype(np.int32), bs, dummy, page_size, out)
+        lists = [
+            again.indptr.tolist(),
+            again.last_page_len.tolist(),
+            again.coords.tolist(),
+            again.indices.tolist(),
+        ]
+        assert lists == first
+    return meta
+
+
 def test_rows_without_live_tokens_are_rejected() -> None:
     with pytest.raises(ValueError, match="live KV page"):
         paged_layout(torch.tensor([16], dtype=torch.int32), torch.tensor([16], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="live KV page"):
+        graph_meta([16], [16], np.zeros((1, 4)), 1, 99, 4)
 
 
 def test_padding_rows_hold_one_token_on_one_page() -> None:
-    layout = paged_layout(torch.tensor([5, 9], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 4)
-    indices = torch.tensor([7, 8, 3, 4, 5], dtype=torch.int32)
-    padded = decode_graph_meta(layout, indices, 5, 99, 4)
+    table = np.array([[7, 8, 0], [3, 4, 5]])
+    padded = graph_meta([5, 9], [0, 0], table, 5, 99, 4)
     assert padded.indptr.tolist() == [0, 2, 5, 6, 7, 8]
     assert padded.last_page_len.tolist() == [1, 1, 1, 1, 1]
     assert padded.indices.tolist() == [7, 8, 3, 4, 5, 99, 99, 99]
-    unpadded = decode_graph_meta(layout, indices, 2, 99, 4)
-    assert unpadded.indptr.tolist() == [0, 2, 5] and unpadded.indices.tolist() == indices.tolist()
+    unpadded = graph_meta([5, 9], [0, 0], table, 2, 99, 4)
+    assert unpadded.indptr.tolist() == [0, 2, 5] and unpadded.indices.tolist() == [7, 8, 3, 4, 5]
     with pytest.raises(ValueError):
-        decode_graph_meta(layout, indices, 1, 99, 4)
-    only_padding = decode_graph_meta(None, None, 3, 99, 4)
+        graph_meta([5, 9], [0, 0], table, 1, 99, 4)
+    only_padding = graph_meta([], [], np.zeros((0, 1)), 3, 99, 4)
     assert only_padding.indptr.tolist() == [0, 1, 2, 3] and only_padding.indices.tolist() == [99] * 3
     assert only_padding.coords.tolist() == [[0, 0, 0], [99 * 4] * 3]
 
