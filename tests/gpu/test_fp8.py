@@ -28,6 +28,10 @@ GREEDY_TOKENS = 32
 # choices. A wrong scale or a stale buffer in a graph is off by far more. The test checks this tolerance
 # against the same eager model with other batch shapes.
 FP8_NEAR_TIE = 0.5  # nats
+# Per-channel weights run the block kernel up to 64 rows and `_scaled_mm` above (fp8_linear.py), which
+# quantize activations per 128-column group and per token: a batch regrouped across that bound moves its
+# logits further than one route's rounding. On the H200 a regrouped prefill moved a choice by 0.66 nats.
+CHANNEL_NEAR_TIE = 1.0  # nats
 OFF: dict[str, Any] = {"overlap": False, "cuda_graph": False, "piecewise_cuda_graph": False}
 
 
@@ -124,8 +128,9 @@ def test_fp8_graphs_match_fp8_eager(
     assert all(len(o.token_ids) == GREEDY_TOKENS for o in outs)
     # FP8's own noise: the same eager model four prompts at a time, so its GEMMs take other shapes.
     regrouped, _ = _greedy(model_dir, prompts, **OFF, **extra, max_running=4)
-    assert_same_greedy(expected, regrouped, FP8_NEAR_TIE)  # else the tolerance is below FP8's own noise
-    assert_same_greedy(expected, outs, FP8_NEAR_TIE)
+    near_tie = FP8_NEAR_TIE if layout == "block" else CHANNEL_NEAR_TIE
+    assert_same_greedy(expected, regrouped, near_tie)  # else the tolerance is below FP8's own noise
+    assert_same_greedy(expected, outs, near_tie)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
