@@ -206,20 +206,7 @@ class Sampler:
         if logits.shape[-1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, vocabulary has {self.vocab_size}")
         if self._one_pass(batch):
-            assert self._race_one_pass is not None
-            # Structured-output rows are masked inside the race: no copy, no gather and scatter.
-            tokens = self._race_one_pass(
-                logits,
-                batch.temperature,
-                batch.seeds,
-                batch.steps,
-                self._vocab_keys,
-                vocab_size=self.vocab_size,
-                bitmask=batch.bitmask,
-                bitmask_rows=batch.bitmask_rows,
-                bitmask_vocab=batch.bitmask_vocab,
-            )
-            return SampleResult(tokens, None, None, None)
+            return SampleResult(self._one_pass_race(logits, batch), None, None, None)
         raw = logits[:, : self.vocab_size].float()
         penalised = constrain_logits(apply_penalties(raw, batch), batch)
         if batch.all_greedy:
@@ -273,17 +260,7 @@ class Sampler:
             for batch in (plain, masked):
                 want = self(logits, replace(batch, num_logprobs=0)).next_tokens  # the torch path
                 for slices in (1, 2, 4, 8, 16, 32, 64):
-                    got = self._race_one_pass(
-                        logits,
-                        temperature,
-                        seeds,
-                        steps,
-                        self._vocab_keys,
-                        slices=slices,
-                        bitmask=batch.bitmask,
-                        bitmask_rows=batch.bitmask_rows,
-                        bitmask_vocab=batch.bitmask_vocab,
-                    )
+                    got = self._one_pass_race(logits, batch, slices=slices)
                     if not torch.equal(got, want):
                         raise RuntimeError(f"tokens {got.tolist()} against the torch path's {want.tolist()}")
         except Exception as exc:  # a build or launch failure as much as a wrong token
@@ -300,6 +277,20 @@ class Sampler:
         rows = torch.zeros(1, dtype=torch.int64, device=device)
         masked = replace(batch, bitmask=bitmask, bitmask_rows=rows)
         constrain_logits(torch.zeros(1, self.vocab_size, device=device), masked)
+
+    def _one_pass_race(self, logits: torch.Tensor, batch: SamplingBatch, **launch: int) -> torch.Tensor:
+        """The one-pass race's tokens; structured-output rows are masked inside it (no copy, gather or
+        scatter of the logits)."""
+        assert self._race_one_pass is not None
+        rows = (batch.temperature, batch.seeds, batch.steps)
+        mask = {
+            "bitmask": batch.bitmask,
+            "bitmask_rows": batch.bitmask_rows,
+            "bitmask_vocab": batch.bitmask_vocab,
+        }
+        return self._race_one_pass(
+            logits, *rows, self._vocab_keys, vocab_size=self.vocab_size, **mask, **launch
+        )
 
     def _one_pass(self, batch: SamplingBatch) -> bool:
         """Whether the one-pass race can take the batch: nothing but temperatures and seeds to honour."""
