@@ -34,10 +34,16 @@ class SlotParams:
         self.eos_token_ids = eos_token_ids
         self.floats = np.zeros((len(FLOAT_PARAMS), n), dtype=np.float32)
         self.ints = np.zeros((len(INT_PARAMS), n), dtype=np.int64)
-        self.temperature, self.top_p, self.min_p = self.floats[0], self.floats[1], self.floats[2]
-        self.presence_penalty, self.frequency_penalty = self.floats[3], self.floats[4]
-        self.repetition_penalty = self.floats[5]
-        self.top_k, self.seed, self.prompt_len = self.ints[0], self.ints[1], self.ints[2]
+        # Views of the tables' rows, in FLOAT_PARAMS' and INT_PARAMS' order.
+        (
+            self.temperature,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+        ) = self.floats
+        self.top_k, self.seed, self.prompt_len = self.ints
         self.top_p.fill(1.0)
         self.repetition_penalty.fill(1.0)
         self.explicit_seed = np.zeros(n, dtype=bool)

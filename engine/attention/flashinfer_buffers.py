@@ -51,7 +51,9 @@ class GraphBuffers:
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
     def send(self, listed: int) -> None:
-        """Start the copies of a plan's staged values: the header whole, and the `listed` page indices."""
+        """Start the copies of a plan's staged values: the header whole, and the `listed` page indices.
+        The next plan writes `staging` again only after these copies ran (the backend's
+        `_wait_previous_plan`)."""
         self.meta[: self.header].copy_(self.staging[: self.header], non_blocking=True)
         end = self.header + listed
         self.meta[self.header : end].copy_(self.staging[self.header : end], non_blocking=True)
