@@ -121,10 +121,10 @@ def mask_fill(llm: LLM, outputs: list[list[int]], repeats: int = 20) -> dict[str
     }
     for name, threads in (("filler", 1), ("two_threads", 2), ("xgrammar_auto", "auto")):
         filler = BitmaskFiller(threads)
-        filler.fill(states, pin=False)
+        filler.fill(states)
         start = time.perf_counter()
         for _ in range(repeats):
-            filler.fill(states, pin=False)
+            filler.fill(states)
         out[f"ms_per_fill_{name}"] = round(1e3 * (time.perf_counter() - start) / repeats, 4)
     return out
 

@@ -142,39 +142,88 @@ class GrammarState:
         return not self.refused
 
 
+class _HostMasks:
+    """One reusable host buffer of bitmask rows and their batch rows (pinned for the device's copies),
+    with the event after which those copies have read it."""
+
+    def __init__(self, rows: int, width: int, pin: bool) -> None:
+        self.masks = torch.empty((rows, width), dtype=torch.int32, pin_memory=pin)
+        self.rows = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
+        self.read: torch.cuda.Event | None = None  # recorded after the last upload from this buffer
+
+    def fits(self, rows: int, width: int) -> bool:
+        return rows <= self.masks.shape[0] and width == self.masks.shape[1]
+
+
 class BitmaskFiller:
     """Fills the bitmasks of a batch's constrained rows with xgrammar's batch matcher, on one thread: on
     the H200 host, splitting a fill over more threads made it slower, not faster (`mask_fill` in
     benchmarks/structured.py times both).
 
     `start` runs the fill on a worker thread and returns once the fill is under way. The fill releases
-    the GIL, so the scheduler processes the previous batch's results meanwhile; but a thread that has
-    just been handed work needs the GIL to reach that call, and the scheduler's thread, running Python,
-    would only let it go when it blocks or after the interpreter's switch interval. So `start` waits
-    for the worker to signal that it is entering the fill, which is the one hand-over of the GIL that
-    lets the two overlap. The caller must not touch the rows' matchers until the future is done.
+    the GIL, so the scheduler does its other host work meanwhile; but a thread that has just been
+    handed work needs the GIL to reach that call, and the scheduler's thread, running Python, would only
+    let it go when it blocks or after the interpreter's switch interval. So `start` waits for the worker
+    to signal that it is entering the fill, which is the one hand-over of the GIL that lets the two
+    overlap. The caller must not touch the rows' matchers until the future is done.
+
+    The masks are written into two host buffers used in turn, kept across steps (pinned when the device
+    is a GPU, so that `upload` copies them asynchronously): a step allocates nothing, and a buffer is
+    written again only after the copies of its last upload have read it.
     """
 
-    def __init__(self, threads: int | Literal["auto"] = 1) -> None:
+    def __init__(self, pin: bool = False, threads: int | Literal["auto"] = 1) -> None:
         self._batch = xgr.BatchGrammarMatcher(threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
+        self._pin = pin
+        self._buffers: list[_HostMasks | None] = [None, None]
+        self._turn = 0
 
-    def start(self, states: list[GrammarState], pin: bool) -> Future[torch.Tensor]:
+    def start(self, states: list[GrammarState]) -> Future[torch.Tensor]:
         """int32 [len(states), ceil(V/32)], when done: row i allows the tokens `states[i]` accepts next.
+        The tensor is a view of a reused buffer, valid until the second `start` after this one.
 
         Matchers are made (and compiles waited for) here, on the caller's thread."""
         matchers = [state.matcher() for state in states]
         width = (max(max(state.vocab_size for state in states), 1) + 31) // 32
-        bitmask = torch.empty((len(states), width), dtype=torch.int32, pin_memory=pin)
-        bitmask.fill_(-1)  # a failed or finished row is dropped at result time; any token will do
-        live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        buffer = self._next_buffer(len(states), width)
+        bitmask = buffer.masks[: len(states)]
+        live: list[tuple[int, xgr.GrammarMatcher]] = []
+        for i, matcher in enumerate(matchers):
+            if matcher is not None and not matcher.is_terminated():
+                live.append((i, matcher))
+            else:  # a failed or finished row is dropped at result time; any token will do
+                bitmask[i].fill_(-1)
         started = threading.Event()
         future = self._worker.submit(self._fill, bitmask, live, started)
         started.wait()
         return future
 
-    def fill(self, states: list[GrammarState], pin: bool) -> torch.Tensor:
-        return self.start(states, pin).result()
+    def fill(self, states: list[GrammarState]) -> torch.Tensor:
+        return self.start(states).result()
+
+    def upload(
+        self, bitmask: torch.Tensor, rows: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bitmask` (from `start`, filled) and its batch `rows` on `device`, copied on the current stream."""
+        buffer = next(b for b in self._buffers if b is not None and b.masks.data_ptr() == bitmask.data_ptr())
+        index = buffer.rows[: len(rows)]
+        index.numpy()[:] = rows
+        on_device = bitmask.to(device, non_blocking=True), index.to(device, non_blocking=True)
+        if device.type == "cuda":
+            buffer.read = torch.cuda.Event()
+            buffer.read.record()
+        return on_device
+
+    def _next_buffer(self, rows: int, width: int) -> _HostMasks:
+        self._turn ^= 1
+        buffer = self._buffers[self._turn]
+        if buffer is not None and buffer.read is not None:
+            buffer.read.synchronize()  # its last copies to the device are done (long since, as a rule)
+        if buffer is None or not buffer.fits(rows, width):
+            capacity = max(rows, buffer.masks.shape[0] if buffer is not None else 0)
+            buffer = self._buffers[self._turn] = _HostMasks(capacity, width, self._pin)
+        return buffer
 
     def _fill(
         self, bitmask: torch.Tensor, live: list[tuple[int, xgr.GrammarMatcher]], started: threading.Event

@@ -20,14 +20,17 @@ class ResultProcessor:
     def emit_finish(self, rid: int, reason: str) -> None:
         self.emit([TokenOutput(rid, None, reason)])
 
-    def accept_constrained(self, rows: list[Row], output: ForwardOutput) -> list[int]:
-        """The batch's tokens, after advancing each constrained row's matcher by its token. Apart from
-        `process`, so the next batch's bitmasks can be filled while the rest is processed."""
+    def accept_constrained(
+        self, rows: list[Row], output: ForwardOutput, grammar_rows: list[int] | None
+    ) -> list[int]:
+        """The batch's tokens, after advancing the matcher of each of its `grammar_rows` (the rows that
+        sampled under a constraint) by its token. Apart from `process`, so the next batch's bitmasks can
+        be filled while the rest is processed."""
         tokens: list[int] = output.next_tokens_host.tolist()
-        for i, row in enumerate(rows):
-            req = row.req
-            if row.samples and req.finish_reason is None and req.grammar is not None:
-                req.grammar.accept(int(tokens[i]))
+        for i in grammar_rows or ():
+            req = rows[i].req
+            if req.finish_reason is None and req.grammar is not None:
+                req.grammar.accept(tokens[i])
         return tokens
 
     def process(self, rows: list[Row], output: ForwardOutput, tokens: list[int]) -> None:

@@ -80,6 +80,7 @@ class Scheduler:
         self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids)
         self.grammars = grammars
         self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
+        self._planned: PreparedBatch | None = None  # the overlap loop's next batch, when planned early
         self.has_window = any(g.window is not None for g in kv.groups)
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
@@ -122,7 +123,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._planned is not None
 
     # ---- scheduling ------------------------------------------------------------------------
     def _schedule(self) -> PreparedBatch | None:
@@ -238,26 +239,19 @@ class Scheduler:
         rows = flight.prepared.rows
         states = [state for i in flight.grammar_rows if (state := rows[i].req.grammar) is not None]
         if self._bitmasks is None:
-            self._bitmasks = BitmaskFiller()
-        flight.bitmask = self._bitmasks.start(states, self.device.type == "cuda")
+            self._bitmasks = BitmaskFiller(pin=self.device.type == "cuda")
+        flight.bitmask = self._bitmasks.start(states)
 
     def _sample(self, flight: InFlight) -> None:
         """Mask, sample and store the tokens of a batch launched with its sample pending."""
         assert flight.sampling is not None and flight.logits is not None and flight.grammar_rows is not None
         if flight.bitmask is None:
             self._start_masks(flight)
-        assert flight.bitmask is not None
-        bitmask = flight.bitmask.result()
+        assert flight.bitmask is not None and self._bitmasks is not None
         grammars = [flight.prepared.rows[i].req.grammar for i in flight.grammar_rows]
         vocab = max(g.vocab_size for g in grammars if g is not None)  # one tokenizer: all alike
-        pin = self.device.type == "cuda"
-        index = torch.tensor(flight.grammar_rows, dtype=torch.int64, pin_memory=pin)
-        sampling = replace(
-            flight.sampling,
-            bitmask=bitmask.to(self.device, non_blocking=True),
-            bitmask_rows=index.to(self.device, non_blocking=True),
-            bitmask_vocab=vocab or None,
-        )
+        bitmask, index = self._bitmasks.upload(flight.bitmask.result(), flight.grammar_rows, self.device)
+        sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
         flight.output = self.engine.sample(flight.logits, sampling)
         self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens
         flight.sampling = flight.logits = flight.bitmask = None
@@ -269,7 +263,7 @@ class Scheduler:
         with self.timer.phase("wait"):  # blocked on the device: the rest of the step is host time
             done.output.copy_done.synchronize()
         rows = done.prepared.rows
-        tokens = self.results.accept_constrained(rows, done.output)
+        tokens = self.results.accept_constrained(rows, done.output, done.grammar_rows)
         if pending is not None:
             self._start_masks(pending)
         batch_id = done.prepared.batch_id
@@ -306,10 +300,12 @@ class Scheduler:
     def overlap_step(self, receive: MessageSource, last: InFlight | None) -> InFlight | None:
         """Launch batch N on the engine stream, then process batch N-1 while N runs."""
         assert self.streams.is_current(self.streams.scheduler), "overlap loop schedules on its stream"
-        for msg in receive(last is None and not self.has_work):
+        prepared, self._planned = self._planned, None
+        for msg in receive(last is None and prepared is None and not self.has_work):
             self.handle(msg)
-        with self.timer.phase("schedule"):
-            prepared = self._schedule()
+        if prepared is None:
+            with self.timer.phase("schedule"):
+                prepared = self._schedule()
         ongoing = None
         if prepared is not None:
             with self.streams.use(self.streams.engine), self.timer.phase("launch"):
@@ -324,6 +320,11 @@ class Scheduler:
                 self._process(last, pending)
         if pending is not None:
             if pending.bitmask is not None:
+                # The next batch is planned while the masks fill. It needs the results processed so far
+                # (finished requests leave it), not this batch's tokens, which it reads from the token
+                # pool on the device; and planning touches no matcher.
+                with self.timer.phase("schedule"):
+                    self._planned = self._schedule()
                 with self.timer.phase("mask_wait"):  # the fill's time past the rest of the step's host work
                     pending.bitmask.result()
             with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):

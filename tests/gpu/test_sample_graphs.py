@@ -89,7 +89,12 @@ def test_engine_decode_steps_sample_through_the_graphs(gpu_model_dir: Callable[[
         max_tokens=24, temperature=0.8, seed=3, structured_outputs=StructuredOutputs(json=schema)
     )
     prompts = [[5, 6, 7], [9, 10], [11], [12, 13]]
-    params = [plain, json_row, SamplingParams(max_tokens=16, temperature=0.5, ignore_eos=True), json_row]
+    params = [
+        plain,
+        json_row,
+        SamplingParams(max_tokens=16, temperature=0.5, seed=11, ignore_eos=True),
+        json_row,
+    ]
     try:
         engine = llm.runtime.engine
         graphs = engine.sample_graphs

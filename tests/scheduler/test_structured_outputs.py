@@ -92,22 +92,32 @@ def test_overlap_loop_fills_masks_before_processing_the_previous_batch(
     llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The masks of batch N+1 start filling (on the filler's worker) as soon as N's tokens are accepted,
-    before the rest of N's results are processed, so the two overlap on the host."""
+    before the rest of N's results are processed and the batch after is planned, so these overlap on
+    the host."""
     scheduler = llm.runtime.scheduler
     behind: list[int] = []  # per mask fill: its batch id less the last processed batch's
-    start_masks = scheduler._start_masks
+    planned: list[int | None] = []  # per masked sample: the id of the batch planned before it, if any
+    start_masks, sample = scheduler._start_masks, scheduler._sample
 
     def recording_start(flight: Any) -> None:
         behind.append(flight.prepared.batch_id - scheduler.last_processed)
         start_masks(flight)
 
+    def recording_sample(flight: Any) -> None:
+        early = scheduler._planned
+        planned.append(None if early is None else early.batch_id - flight.prepared.batch_id)
+        sample(flight)
+
     monkeypatch.setattr(scheduler, "_start_masks", recording_start)
+    monkeypatch.setattr(scheduler, "_sample", recording_sample)
     outs = llm.generate(["a poem about the sea"] * 2, [_schema_params(s) for s in range(2)], use_tqdm=False)
     assert all(o.finish_reason == "stop" for o in outs)
     assert len(behind) >= min(len(o.token_ids) for o in outs)
     # The first constrained batch has no previous one to process; every later one starts filling while
     # batch N is still unprocessed (N+1 - (N-1) = 2), not after (that would be 1).
     assert behind[1:] == [2] * (len(behind) - 1), behind
+    # Each masked sample after the first comes after the next batch was planned (until there is none).
+    assert planned[0] is None and set(planned[1:-2]) == {1}, planned
 
 
 @pytest.mark.parametrize(
@@ -245,11 +255,29 @@ def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
     for n, state in enumerate(states):  # each matcher at its own place in the object
         for token in tokenizer.encode(text[: 5 * n], add_special_tokens=False):
             assert state.accept(token)
-    masks = BitmaskFiller(threads=2).start(states, pin=False).result()
-    for row, state in enumerate(states):
-        alone = xgr.allocate_token_bitmask(1, state.vocab_size)
+
+    def alone(state: GrammarState) -> torch.Tensor:
+        mask = xgr.allocate_token_bitmask(1, state.vocab_size)
         matcher = state.matcher()
         assert matcher is not None
-        matcher.fill_next_token_bitmask(alone, 0)
-        assert torch.equal(masks[row], alone[0])
+        matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0]
+
+    filler = BitmaskFiller(threads=2)
+    masks = filler.start(states).result()
+    for row, state in enumerate(states):
+        assert torch.equal(masks[row], alone(state))
     assert len({tuple(m.tolist()) for m in masks}) > 1  # the rows really differ
+
+    # The host buffers are reused, in turn and grown when a batch has more rows: each fill still gives
+    # its own rows' masks, and a row whose compile failed allows every token.
+    broken: Future[xgr.CompiledGrammar] = Future()
+    broken.set_exception(ValueError("no grammar"))
+    for batch in (states[::-1], states[2:5], states[:3] + [GrammarState(broken)] + states * 2):
+        masks = filler.fill(batch)
+        assert masks.shape[0] == len(batch)
+        for row, state in enumerate(batch):
+            expected = alone(state) if state.failed is None else torch.full_like(masks[row], -1)
+            assert torch.equal(masks[row], expected)
+        on_device, rows = filler.upload(masks, list(range(1, 2 * len(batch), 2)), torch.device("cpu"))
+        assert torch.equal(on_device, masks) and rows.tolist() == list(range(1, 2 * len(batch), 2))
