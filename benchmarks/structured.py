@@ -120,7 +120,7 @@ def mask_fill(llm: LLM, outputs: list[list[int]], repeats: int = 20) -> dict[str
         "cpus": {"os.cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))},
     }
     for name, threads in (("filler", 1), ("two_threads", 2), ("xgrammar_auto", "auto")):
-        filler = BitmaskFiller(threads)
+        filler = BitmaskFiller(threads=threads)
         filler.fill(states)
         start = time.perf_counter()
         for _ in range(repeats):

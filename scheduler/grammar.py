@@ -172,7 +172,7 @@ class BitmaskFiller:
     written again only after the copies of its last upload have read it.
     """
 
-    def __init__(self, pin: bool = False, threads: int | Literal["auto"] = 1) -> None:
+    def __init__(self, *, pin: bool = False, threads: int | Literal["auto"] = 1) -> None:
         self._batch = xgr.BatchGrammarMatcher(threads)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
         self._pin = pin
