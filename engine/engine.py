@@ -14,7 +14,6 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.graph_buckets import padded_size
 from tandem.engine.kernel_plan import EAGER, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
@@ -24,7 +23,6 @@ from tandem.engine.models.context import ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
-from tandem.engine.sample_graphs import SampleGraphs
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
 from tandem.engine.weights import load_weights
@@ -130,13 +128,6 @@ class Engine:
                 planner=self.planner,
             )
             self._timed(self.decode_graphs.capture)
-        # The race's graphs read the decode graphs' logits, so a decode step's draw is one replay too.
-        self.sample_graphs: SampleGraphs | None = None
-        if self.decode_graphs is not None and self.sampler.has_race:
-            self.sample_graphs = SampleGraphs(
-                self.sampler.race_call, self.decode_graphs.logits, self.decode_graphs.sizes, mc.vocab_size
-            )
-            self._timed(self.sample_graphs.capture)
 
     def _timed(self, capture: Callable[[], None]) -> None:
         start = time.perf_counter()
@@ -166,19 +157,6 @@ class Engine:
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> ForwardOutput:
         """Sample from `logits` (from `logits`) and start the copy of the tokens to the host. Apart from
         `forward`, so the scheduler can launch a batch's forward before its token bitmasks are known."""
-        graphs = self.sample_graphs
-        if (
-            graphs is not None
-            and self.decode_graphs is not None
-            and logits.data_ptr() == self.decode_graphs.logits.data_ptr()  # a decode graph's rows
-            and self.sampler.takes_race(sampling)
-            and graphs.fits(sampling)
-        ):
-            rows = logits.shape[0]
-            graph_bs = padded_size(rows, graphs.sizes)
-            assert graph_bs is not None
-            tokens = graphs.run(sampling, rows, graph_bs)
-            return self._copy_to_host(SampleResult(tokens, None, None, None))
         return self._copy_to_host(self.sampler(logits, sampling))
 
     @torch.inference_mode()

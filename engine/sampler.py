@@ -278,38 +278,6 @@ class Sampler:
         masked = replace(batch, bitmask=bitmask, bitmask_rows=rows)
         constrain_logits(torch.zeros(1, self.vocab_size, device=device), masked)
 
-    @property
-    def has_race(self) -> bool:
-        """Whether the one-pass race is on (it is switched off when its warm-up fails)."""
-        return self._race_one_pass is not None
-
-    def takes_race(self, batch: SamplingBatch) -> bool:
-        """Whether `batch` is drawn by the one-pass race (and so may be by its captured graphs)."""
-        return self._one_pass(batch)
-
-    def race_call(
-        self,
-        logits: torch.Tensor,
-        temperature: torch.Tensor,
-        seeds: torch.Tensor,
-        steps: torch.Tensor,
-        bitmask: torch.Tensor | None,
-        bitmask_rows: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The one-pass race on explicit tensors, the whole head's ids allowed by the bitmask's bits
-        (no `bitmask_vocab`): what `SampleGraphs` captures."""
-        assert self._race_one_pass is not None
-        return self._race_one_pass(
-            logits,
-            temperature,
-            seeds,
-            steps,
-            self._vocab_keys,
-            vocab_size=self.vocab_size,
-            bitmask=bitmask,
-            bitmask_rows=bitmask_rows,
-        )
-
     def _one_pass_race(self, logits: torch.Tensor, batch: SamplingBatch, **launch: int) -> torch.Tensor:
         """The one-pass race's tokens; structured-output rows are masked inside it (no copy, gather or
         scatter of the logits)."""
