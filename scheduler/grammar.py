@@ -149,7 +149,8 @@ class _HostMasks:
     def __init__(self, rows: int, width: int, pin: bool) -> None:
         self.masks = torch.empty((rows, width), dtype=torch.int32, pin_memory=pin)
         self.rows = torch.empty(rows, dtype=torch.int64, pin_memory=pin)
-        self.read: torch.cuda.Event | None = None  # recorded after the last upload from this buffer
+        # Recorded after each upload from this buffer; made once, as pinned buffers exist only on GPUs.
+        self.read = torch.cuda.Event() if pin else None
 
     def fits(self, rows: int, width: int) -> bool:
         return rows <= self.masks.shape[0] and width == self.masks.shape[1]
@@ -210,8 +211,7 @@ class BitmaskFiller:
         index = buffer.rows[: len(rows)]
         index.numpy()[:] = rows
         on_device = bitmask.to(device, non_blocking=True), index.to(device, non_blocking=True)
-        if device.type == "cuda":
-            buffer.read = torch.cuda.Event()
+        if buffer.read is not None:
             buffer.read.record()
         return on_device
 
@@ -219,7 +219,7 @@ class BitmaskFiller:
         self._turn ^= 1
         buffer = self._buffers[self._turn]
         if buffer is not None and buffer.read is not None:
-            buffer.read.synchronize()  # its last copies to the device are done (long since, as a rule)
+            buffer.read.synchronize()  # its last copies are done (long since, as a rule; at once if none)
         if buffer is None or not buffer.fits(rows, width):
             capacity = max(rows, buffer.masks.shape[0] if buffer is not None else 0)
             buffer = self._buffers[self._turn] = _HostMasks(capacity, width, self._pin)
