@@ -8,7 +8,7 @@ still hold.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -96,6 +96,15 @@ class StreamSet:
         """Make later work on `stream` wait for work already queued on `on`."""
         if isinstance(stream, torch.cuda.Stream) and isinstance(on, torch.cuda.Stream):
             stream.wait_stream(on)
+
+    def hand_over(self, tensors: Iterable[torch.Tensor], to: Stream) -> None:
+        """Pass `tensors`, just written on the current stream, to `to`: later work on `to` waits for the
+        current stream's work so far, and the caching allocator keeps their memory until `to` is done
+        with them."""
+        if isinstance(to, torch.cuda.Stream):
+            to.wait_stream(self.current())  # type: ignore[arg-type]  # a CUDA set's current is a CUDA stream
+            for tensor in tensors:
+                tensor.record_stream(to)
 
     def new_event(self) -> Event:
         if self.is_cuda:

@@ -250,7 +250,11 @@ class Scheduler:
         assert flight.bitmask is not None and self._bitmasks is not None
         grammars = [flight.prepared.rows[i].req.grammar for i in flight.grammar_rows]
         vocab = max(g.vocab_size for g in grammars if g is not None)  # one tokenizer: all alike
-        bitmask, index = self._bitmasks.upload(flight.bitmask.result(), flight.grammar_rows, self.device)
+        # The masks go up on the copy stream: queued on the engine stream, the copy would wait for the
+        # forward still running there and then hold up the sample; on its own stream it overlaps them.
+        with self.streams.use(self.streams.copy):
+            bitmask, index = self._bitmasks.upload(flight.bitmask.result(), flight.grammar_rows, self.device)
+            self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
         flight.output = self.engine.sample(flight.logits, sampling)
         self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens
