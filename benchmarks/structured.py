@@ -2,15 +2,14 @@
 under a small JSON schema, then the same requests plain, on the same engine.
 
 A random-weight model completes the schema's object now and then, so constrained rows may stop before
-max_tokens. One untimed pass of the mixed workload comes first: it fixes each request's output length,
-and it pays the one-time costs of a first pass at full size (allocator and pinned-buffer growth, kernel
-variants), which would otherwise land on whichever timed run came first. The timed runs then alternate,
-plain and mixed, `--repeats` times each, every request capped at its warm-up length, so both kinds make
-(nearly) the same tokens in the same rows, and their ratio of output tokens/s (mixed / plain, means over
-the repeats) is the constraints' cost alone. Also reported: the plain requests' mean time per output
-token (TPOT: first to last token of each, over its tokens after the first) in every run, so a slowdown of
-the unconstrained rows shows against the spread between the plain runs themselves, and the bitmask fill
-timed alone (`mask_fill`) on matchers replayed to where the constrained rows ended.
+max_tokens. Each plain run therefore gives every request the output length it had in the mixed run just
+before it: the two make the same tokens in the same rows, and their ratio of output tokens/s (mixed /
+plain) is the constraints' cost alone. An untimed mixed pass comes first: it pays the one-time costs of a
+first pass at full size (allocator and pinned-buffer growth, kernel variants), which would otherwise land
+on the first timed run. The pairs repeat `--repeats` times; the figures are their means. Also reported:
+the plain requests' mean time per output token (TPOT: first to last token of each, over its tokens after
+the first) in every run, so a slowdown of the unconstrained rows shows against the spread between runs,
+and the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the constrained rows ended.
 
     python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
     python benchmarks/structured.py --num-seqs 8 --min-input 16 --max-input 64 --min-output 8 \
@@ -170,18 +169,20 @@ def main() -> None:
     # Build both paths' kernels, the schema's compile and xgrammar's tokenizer info.
     warm = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
     llm.generate(prompts[:8], [warm, replace(warm, structured_outputs=schema)] * 4, use_tqdm=False)
+    # A full pass first, untimed: the one-time costs of a first pass at full size (allocator and pinned
+    # buffer growth, kernel variants) would otherwise land on the first timed run.
     first = timed_generate(llm, prompts, mixed_params)
-    lengths = first.pop("lengths")
-    kinds = {
-        "plain": [replace(p, max_tokens=n) for p, n in zip(plain_params, lengths)],
-        "mixed": [replace(p, max_tokens=n) for p, n in zip(mixed_params, lengths)],
-    }
+    first.pop("lengths")
     runs: dict[str, list[dict[str, Any]]] = {"plain": [], "mixed": []}
     for _ in range(args.repeats):
-        for kind, params in kinds.items():
-            run = timed_generate(llm, prompts, params)
-            run.pop("lengths")
-            runs[kind].append(run)
+        mixed_run = timed_generate(llm, prompts, mixed_params)
+        lengths = mixed_run.pop("lengths")
+        plain_run = timed_generate(
+            llm, prompts, [replace(p, max_tokens=n) for p, n in zip(plain_params, lengths)]
+        )
+        plain_run.pop("lengths")
+        runs["mixed"].append(mixed_run)
+        runs["plain"].append(plain_run)
     fill = mask_fill(llm, first.pop("constrained_outputs"))
     for run in runs["plain"] + runs["mixed"]:
         run.pop("constrained_outputs")
@@ -207,8 +208,8 @@ def main() -> None:
             "input_len": [args.min_input, args.max_input],
             "output_len": [args.min_output, args.max_output],
             "constrained": "every other request (odd indices)",
-            "lengths": "each request capped at its output length in an untimed mixed pass run first",
-            "order": f"plain, mixed, {args.repeats} times; the figures above are means over the repeats",
+            "lengths": "each plain run gives every request its output length in the mixed run just before",
+            "order": f"an untimed mixed pass, then mixed and plain {args.repeats} times; figures are means",
             "schema": SCHEMA,
             "temperature": 0.6,
             "ignore_eos": True,
