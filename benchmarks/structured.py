@@ -166,6 +166,9 @@ def main() -> None:
         "num_pages": pages_for(prompts, plain_params),
         "max_running": args.max_running,
         "chunk_size": args.chunk_size,
+        # Every run prefills its prompts in full, as offline.py's single run does: with the radix cache
+        # on, every run after the first would find its prompts cached.
+        "prefix_cache": False,
     }
     llm = LLM(str(model_dir), **options)
     # Build both paths' kernels, the schema's compile and xgrammar's tokenizer info.
