@@ -6,10 +6,11 @@ max_tokens. Each plain run therefore gives every request the output length it ha
 before it: the two make the same tokens in the same rows, and their ratio of output tokens/s (mixed /
 plain) is the constraints' cost alone. An untimed mixed pass comes first: it pays the one-time costs of a
 first pass at full size (allocator and pinned-buffer growth, kernel variants), which would otherwise land
-on the first timed run. The pairs repeat `--repeats` times; the figures are their means. Also reported:
-the plain requests' mean time per output token (TPOT: first to last token of each, over its tokens after
-the first) in every run, so a slowdown of the unconstrained rows shows against the spread between runs,
-and the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the constrained rows ended.
+on the first timed run. The pairs repeat `--repeats` times; the figures are their means. Also reported,
+for the requests without a schema in the mixed run (the same ones in both kinds of run): their mean time
+per output token (TPOT: first to last token of each, over its tokens after the first) and time to first
+token in every run, so a slowdown of the unconstrained rows shows against the spread between runs; and
+the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the constrained rows ended.
 
     python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
     python benchmarks/structured.py --num-seqs 8 --min-input 16 --max-input 64 --min-output 8 \
@@ -56,8 +57,11 @@ SCHEMA: dict[str, Any] = {
 }
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
-    """One timed run; per-request token times are taken where the scheduler emits its outputs."""
+def timed_generate(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], plain: list[int]
+) -> dict[str, Any]:
+    """One timed run; per-request token times are taken where the scheduler emits its outputs. TPOT and
+    TTFT are over the requests `plain`: those plain in both kinds of run, so both average the same rows."""
     results = llm.runtime.scheduler.results
     emit = results.emit
     first_rid = llm._next_rid  # generate numbers the requests from here, in order
@@ -82,7 +86,6 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
     finally:
         results.emit = emit
     tokens = sum(len(o.token_ids) for o in outs)
-    plain = [i for i, p in enumerate(params) if p.structured_outputs is None]
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for i in plain if len(t := times.get(first_rid + i, [])) > 1]
     ttfts = [t[0] - start for i in plain if (t := times.get(first_rid + i))]
     constrained = [o for o, p in zip(outs, params) if p.structured_outputs is not None]
@@ -176,14 +179,15 @@ def main() -> None:
     llm.generate(prompts[:8], [warm, replace(warm, structured_outputs=schema)] * 4, use_tqdm=False)
     # A full pass first, untimed: the one-time costs of a first pass at full size (allocator and pinned
     # buffer growth, kernel variants) would otherwise land on the first timed run.
-    first = timed_generate(llm, prompts, mixed_params)
+    plain_rows = [i for i, p in enumerate(mixed_params) if p.structured_outputs is None]
+    first = timed_generate(llm, prompts, mixed_params, plain_rows)
     first.pop("lengths")
     runs: dict[str, list[dict[str, Any]]] = {"plain": [], "mixed": []}
     for _ in range(args.repeats):
-        mixed_run = timed_generate(llm, prompts, mixed_params)
+        mixed_run = timed_generate(llm, prompts, mixed_params, plain_rows)
         lengths = mixed_run.pop("lengths")
         plain_run = timed_generate(
-            llm, prompts, [replace(p, max_tokens=n) for p, n in zip(plain_params, lengths)]
+            llm, prompts, [replace(p, max_tokens=n) for p, n in zip(plain_params, lengths)], plain_rows
         )
         plain_run.pop("lengths")
         runs["mixed"].append(mixed_run)
