@@ -21,6 +21,7 @@ the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the con
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -66,12 +67,17 @@ def timed_generate(
     emit = results.emit
     first_rid = llm._next_rid  # generate numbers the requests from here, in order
     times: dict[int, list[float]] = {}
+    steps: list[tuple[float, int]] = []  # per batch with tokens: when processed, and how many
 
     def recording(outs: list[TokenOutput]) -> None:
         now = time.perf_counter()
+        rows = 0
         for out in outs:
             if out.token_id is not None:
                 times.setdefault(out.rid, []).append(now)
+                rows += 1
+        if rows:  # not a finish on its own
+            steps.append((now, rows))
         emit(outs)
 
     results.emit = recording
@@ -99,11 +105,32 @@ def timed_generate(
         "constrained_tokens": sum(len(o.token_ids) for o in constrained),
         "constrained_finish_reasons": sorted({str(o.finish_reason) for o in constrained}),
         "lengths": [len(o.token_ids) for o in outs],
+        "steps": [(t - start, rows) for t, rows in steps],
         "constrained_outputs": [list(o.token_ids) for o in constrained],
         # Loop phases (scheduler/step_timer.py); `masked_sample` is the constrained batches' sample,
         # run after the previous batch's results.
         "step_phases": timer.summary(),
     }
+
+
+def step_bands(mixed: list[tuple[float, int]], plain: list[tuple[float, int]]) -> list[dict[str, float]]:
+    """Mean step time of a mixed run and of the plain run after it, by ranges of the step's index (the
+    two make the same tokens in the same rows, step by step), with the rows that made a token: where, from
+    the prefill-heavy first steps to the tail of long rows, the constrained rows cost time."""
+    count = min(len(mixed), len(plain))
+    edges = sorted({0, count, *(e for e in (10, 50, 200, 400, 600, 800, 900, 1000) if e < count)})
+    bands = []
+    for lo, hi in itertools.pairwise(edges):
+        spans = [(run[hi - 1][0] - (run[lo - 1][0] if lo else 0.0)) / (hi - lo) for run in (mixed, plain)]
+        bands.append(
+            {
+                "steps": f"{lo}-{hi}",
+                "rows": round(sum(rows for _, rows in plain[lo:hi]) / (hi - lo), 1),
+                "mixed_ms": round(1e3 * spans[0], 3),
+                "plain_ms": round(1e3 * spans[1], 3),
+            }
+        )
+    return bands
 
 
 def _mean(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -193,6 +220,9 @@ def main() -> None:
         runs["mixed"].append(mixed_run)
         runs["plain"].append(plain_run)
     fill = mask_fill(llm, first.pop("constrained_outputs"))
+    bands = step_bands(runs["mixed"][0]["steps"], runs["plain"][0]["steps"])
+    for run in [first, *runs["plain"], *runs["mixed"]]:
+        run.pop("steps")
     for run in runs["plain"] + runs["mixed"]:
         run.pop("constrained_outputs")
     llm.shutdown()
@@ -228,6 +258,7 @@ def main() -> None:
             **options,
         },
         "runs": {"warm_up": first, **runs},
+        "step_bands": {"pair": "the first mixed run and the plain run after it", "bands": bands},
         "mask_fill": fill,
     }
     path = write_result(f"structured-{args.tag}", payload, device=device, out_dir=args.out_dir)
