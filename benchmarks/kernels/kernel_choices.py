@@ -17,7 +17,8 @@ Qwen3-0.6B offline at batch up to 256):
   flashinfer's tinygemm for some or all GEMMs, and programmatic dependent launch (PDL);
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`,
   and the sampler from bf16 logits with flashinfer's draw against the one-pass Triton race
-  (engine/sampling_race.py).
+  (engine/sampling_race.py); the race with every other row under a structured-output mask, and over
+  those rows alone.
 
 Every figure is µs per call from CUDA-graph replays over enough distinct buffers that L2 serves none
 of them (sampling: kernel time from the profiler).
@@ -235,9 +236,30 @@ def sampling_rows(vocab: int, batches: list[int]) -> list[dict[str, Any]]:
                 # The race kernel alone per slice count (its programs are batch x slices).
                 "race_slices_bf16": race_sweep(kernel_us, kernels.race_sample, half, batch),
                 "race_slices_float32": race_sweep(kernel_us, kernels.race_sample, logits, batch),
+                **race_masked(kernel_us, kernels.race_sample, half, batch),
             }
         )
     return rows
+
+
+def race_masked(
+    kernel_us: Callable[[Callable[[], object]], float], race: Any, logits: torch.Tensor, batch: Any
+) -> dict[str, float]:
+    """The race kernel with every other row under a structured-output mask (random bits), which a mixed
+    batch's plain rows share, and over those rows alone."""
+    (rows, vocab), device = logits.shape, logits.device
+    odd = torch.arange(1, rows, 2, device=device)
+    bits = torch.randint(-(2**31), 2**31 - 1, (len(odd), -(-vocab // 32)), dtype=torch.int32, device=device)
+    mask = {"bitmask": bits, "bitmask_vocab": vocab}
+    per_row = (batch.temperature, batch.seeds, batch.steps, race_keys(vocab, device))
+    alone = [t[odd] for t in (logits, *per_row[:3])] + [per_row[3]]
+    masked = functools.partial(race, logits, *per_row, bitmask_rows=odd, **mask)
+    only = functools.partial(race, *alone, bitmask_rows=torch.arange(len(odd), device=device), **mask)
+    return (
+        {"race_masked_bf16": kernel_us(masked), "race_odd_rows_only_bf16": kernel_us(only)}
+        if len(odd)
+        else {}
+    )
 
 
 def race_sweep(
