@@ -4,13 +4,14 @@ under a small JSON schema, then the same requests plain, on the same engine.
 A random-weight model completes the schema's object now and then, so constrained rows may stop before
 max_tokens. Each plain run therefore gives every request the output length it had in the mixed run just
 before it: the two make the same tokens in the same rows, and their ratio of output tokens/s (mixed /
-plain) is the constraints' cost alone. An untimed mixed pass comes first: it pays the one-time costs of a
-first pass at full size (allocator and pinned-buffer growth, kernel variants), which would otherwise land
-on the first timed run. The pairs repeat `--repeats` times; the figures are their means. Also reported,
-for the requests without a schema in the mixed run (the same ones in both kinds of run): their mean time
-per output token (TPOT: first to last token of each, over its tokens after the first) and time to first
-token in every run, so a slowdown of the unconstrained rows shows against the spread between runs; and
-the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the constrained rows ended.
+plain) is the constraints' cost alone. A mixed pass that the figures leave out comes first: it pays the
+one-time costs of a first pass at full size (allocator and pinned-buffer growth, kernel variants), which
+would otherwise land on the first timed run. The pairs repeat `--repeats` times; the figures are their
+means. Also reported, for the requests without a schema in the mixed run (the same ones in both kinds of
+run): their mean time per output token (TPOT: first to last token of each, over its tokens after the
+first) and time to first token in every run, so a slowdown of the unconstrained rows shows against the
+spread between runs; and the bitmask fill timed alone (`mask_fill`) on matchers replayed to where the
+constrained rows ended.
 
     python benchmarks/structured.py                      # on the GPU: results/structured-h200.json
     python benchmarks/structured.py --num-seqs 8 --min-input 16 --max-input 64 --min-output 8 \
@@ -204,8 +205,8 @@ def main() -> None:
     # Build both paths' kernels, the schema's compile and xgrammar's tokenizer info.
     warm = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
     llm.generate(prompts[:8], [warm, replace(warm, structured_outputs=schema)] * 4, use_tqdm=False)
-    # A full pass first, untimed: the one-time costs of a first pass at full size (allocator and pinned
-    # buffer growth, kernel variants) would otherwise land on the first timed run.
+    # A full pass first, left out of the figures: the one-time costs of a first pass at full size
+    # (allocator and pinned buffer growth, kernel variants) would otherwise land on the first timed run.
     plain_rows = [i for i, p in enumerate(mixed_params) if p.structured_outputs is None]
     first = timed_generate(llm, prompts, mixed_params, plain_rows)
     first.pop("lengths")
