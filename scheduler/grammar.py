@@ -136,10 +136,29 @@ class GrammarState:
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False (and `refused` set) if the grammar refuses it."""
-        matcher = self.matcher()
-        self.refused = matcher is None or not matcher.accept_token(token)
-        self.terminated = matcher is not None and bool(matcher.is_terminated())
+        accept_tokens([self], [token])
         return not self.refused
+
+
+def accept_tokens(states: list[GrammarState], tokens: list[int]) -> None:
+    """Advance each state by its sampled token, in one call into xgrammar for the batch (per token, a
+    Python call into the matcher costs more than the accept itself), and record `refused` and
+    `terminated` on each."""
+    live: list[tuple[GrammarState, xgr.GrammarMatcher]] = []
+    offered: list[int] = []
+    for state, token in zip(states, tokens, strict=True):
+        matcher = state.matcher()
+        if matcher is None:
+            state.refused, state.terminated = True, False
+        else:
+            live.append((state, matcher))
+            offered.append(token)
+    if not live:
+        return
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([m for _, m in live], offered)
+    for (state, matcher), ok in zip(live, accepted, strict=True):
+        state.refused = not ok
+        state.terminated = bool(matcher.is_terminated())
 
 
 class _HostMasks:
@@ -190,8 +209,8 @@ class BitmaskFiller:
         buffer = self._next_buffer(len(states), width)
         bitmask = buffer.masks[: len(states)]
         live: list[tuple[int, xgr.GrammarMatcher]] = []
-        for i, matcher in enumerate(matchers):
-            if matcher is not None and not matcher.is_terminated():
+        for i, (state, matcher) in enumerate(zip(states, matchers, strict=True)):
+            if matcher is not None and not state.terminated:  # as the last accept left it
                 live.append((i, matcher))
             else:  # a failed or finished row is dropped at result time; any token will do
                 bitmask[i].fill_(-1)

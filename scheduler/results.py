@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from tandem.engine.batch import ForwardOutput
 from tandem.scheduler.batch_builder import Row
+from tandem.scheduler.grammar import GrammarState, accept_tokens
 from tandem.scheduler.messages import TokenOutput
 
 
@@ -27,10 +28,14 @@ class ResultProcessor:
         sampled under a constraint) by its token. Apart from `process`, so the next batch's bitmasks can
         be filled while the rest is processed."""
         tokens: list[int] = output.next_tokens_host.tolist()
+        states: list[GrammarState] = []
+        offered: list[int] = []
         for i in grammar_rows or ():
             req = rows[i].req
             if req.finish_reason is None and req.grammar is not None:
-                req.grammar.accept(tokens[i])
+                states.append(req.grammar)
+                offered.append(tokens[i])
+        accept_tokens(states, offered)
         return tokens
 
     def process(self, rows: list[Row], output: ForwardOutput, tokens: list[int]) -> None:

@@ -281,3 +281,39 @@ def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
             assert torch.equal(masks[row], expected)
         on_device, rows = filler.upload(masks, list(range(1, 2 * len(batch), 2)), torch.device("cpu"))
         assert torch.equal(on_device, masks) and rows.tolist() == list(range(1, 2 * len(batch), 2))
+
+
+def test_batched_accepts_record_what_each_matcher_says_alone(tiny_model_dir: Any) -> None:
+    """`accept_tokens` advances a batch of states in one call into xgrammar: each state's `refused` and
+    `terminated` are what its own matcher says for its token, a refused token leaves its matcher where
+    it was, and a state whose compile failed is refused."""
+    from concurrent.futures import Future
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from tandem.scheduler.grammar import GrammarState, accept_tokens, compile_spec, hf_tokenizer_info
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    eos = tokenizer.eos_token_id
+    compiler = xgr.GrammarCompiler(hf_tokenizer_info(tokenizer, (eos,)), cache_enabled=False)
+    compiled: Future[xgr.CompiledGrammar] = Future()
+    compiled.set_result(compile_spec(compiler, GrammarSpec("choice", json.dumps(["ab", "cd"]))))
+    broken: Future[xgr.CompiledGrammar] = Future()
+    broken.set_exception(ValueError("no grammar"))
+
+    def state(text: str) -> GrammarState:
+        made = GrammarState(compiled)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            assert made.accept(token)
+        return made
+
+    a, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "c"))
+    states = [state(""), state(""), state("ab"), GrammarState(broken), state("cd")]
+    tokens = [a, eos, eos, a, c]  # a start; an end too early; an end; no grammar; past the end
+    accept_tokens(states, tokens)
+    assert [s.refused for s in states] == [False, True, False, True, True]
+    assert [s.terminated for s in states] == [False, False, True, False, False]
+    # Refused: still at the start, where "c" is allowed.
+    assert states[1].accept(c) and not states[1].terminated
+    accept_tokens([], [])  # nothing to accept: no call into xgrammar
