@@ -9,6 +9,8 @@ logits in their own dtype once, divides by the row's temperature, subtracts the 
 (the same hash of seed, step and vocab index as `log_exponential_noise`; the vocab index's own hash comes
 from the `vocab_keys` table) and keeps the running argmax; a second, tiny kernel picks each row's winner
 among its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
+Structured-output rows branch to a loop that reads their bitmask a block of words at a time; the other
+rows of a masked launch run the plain loop, so sharing a launch with constrained rows costs them nothing.
 
 The draw is exact, like the torch race: argmax(logit / T - log E) with E ~ Exp(1) is a sample from
 softmax(logit / T), and it depends only on the row's seed and step, so every TP rank draws the same
@@ -44,6 +46,84 @@ def _mix32(x):  # type: ignore[no-untyped-def]  # Wellons' lowbias32 on uint32, 
     return x
 
 
+@triton.jit
+def _race_values(logits_ptr, row_base, vocab_key_ptr, v, inside, key, divisor, noise_scale):  # type: ignore[no-untyped-def]
+    """logit / T - log E at the columns `v` (any shape), -inf outside the vocabulary."""
+    logit = tl.load(logits_ptr + row_base + v, mask=inside, other=float("-inf"))
+    # The column's half of the key is the same for every row: a table, read from L2 after the first rows.
+    column = tl.load(vocab_key_ptr + v, mask=inside, other=0).to(tl.uint32, bitcast=True)
+    bits = _mix32(key ^ column)
+    # u = (2j + 1) / 2^24 from the top 24 bits: exact in float32, strictly inside (0, 1).
+    u = ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
+    log_e = tl.log(-tl.log(u))
+    return tl.where(inside, logit.to(tl.float32) / divisor - noise_scale * log_e, float("-inf"))
+
+
+@triton.jit
+def _race_plain(
+    logits_ptr,
+    row_base,
+    vocab_key_ptr,
+    key,
+    divisor,
+    noise_scale,
+    start,
+    vocab,  # type: ignore[no-untyped-def]
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """(best value, its lowest index) over one slice of an unconstrained row."""
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.full((BLOCK,), 2147483647, tl.int32)
+    for b in range(0, BLOCKS):
+        v = start + b * BLOCK + tl.arange(0, BLOCK)
+        value = _race_values(logits_ptr, row_base, vocab_key_ptr, v, v < vocab, key, divisor, noise_scale)
+        better = value > best_val  # strict: a lane keeps its earliest index on ties
+        best_val = tl.where(better, value, best_val)
+        best_idx = tl.where(better, v, best_idx)
+    top = tl.max(best_val, axis=0)
+    return top, tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
+
+
+@triton.jit
+def _race_masked(
+    logits_ptr,
+    row_base,
+    vocab_key_ptr,
+    key,
+    divisor,
+    noise_scale,
+    start,
+    vocab,  # type: ignore[no-untyped-def]
+    mask_base,
+    limit,
+    BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """The same over one slice of a constrained row, as [words, 32] tiles: each block's bitmask words are
+    one contiguous load, and bit j of word i speaks for column 32 i + j of the tile. Ids from `limit` on
+    are never allowed."""
+    WORDS: tl.constexpr = BLOCK // 32
+    word_of = tl.arange(0, WORDS)
+    bit = tl.arange(0, 32)[None, :]
+    best_val = tl.full((WORDS, 32), float("-inf"), tl.float32)
+    best_idx = tl.full((WORDS, 32), 2147483647, tl.int32)
+    for b in range(0, BLOCKS):
+        first_word = (start + b * BLOCK) // 32  # blocks start on a word: BLOCK is a multiple of 32
+        words = first_word + word_of
+        word = tl.load(mask_base + words, mask=words * 32 < limit, other=0)
+        v = words[:, None] * 32 + bit
+        allowed = (v < limit) & (((word[:, None] >> bit) & 1) != 0)
+        value = _race_values(logits_ptr, row_base, vocab_key_ptr, v, v < vocab, key, divisor, noise_scale)
+        value = tl.where(allowed, value, float("-inf"))
+        better = value > best_val
+        best_val = tl.where(better, value, best_val)
+        best_idx = tl.where(better, v, best_idx)
+    top = tl.max(tl.max(best_val, axis=1), axis=0)
+    first = tl.min(tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=1), axis=0)
+    return top, first
+
+
 # The mask's sizes vary by batch and tokenizer: specialized, each new value could build a variant mid-run.
 @triton.jit(do_not_specialize=["masked_rows", "mask_stride", "mask_vocab"])
 def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
@@ -69,17 +149,6 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
-    mask_row = tl.full([], -1, tl.int32)  # this row's bitmask row; -1: unconstrained
-    if MASKED:
-        # A scan of the (at most a batch of) listed rows, from L2 after the first program.
-        for i in range(0, masked_rows, 64):
-            lane = i + tl.arange(0, 64)
-            listed = tl.load(mask_rows_ptr + lane, mask=lane < masked_rows, other=-1)
-            mask_row = tl.maximum(mask_row, tl.max(tl.where(listed == row, lane, -1), axis=0))
-    constrained = mask_row >= 0
-    # Ids past the tokenizer's have no text: a grammar never allows them.
-    limit = tl.where(constrained, mask_vocab, vocab)
-    mask_base = mask_ptr + tl.maximum(mask_row, 0).to(tl.int64) * mask_stride
     seed = tl.load(seed_ptr + row).to(tl.int64)
     step = tl.load(step_ptr + row).to(tl.int64)
     # The row key, as log_exponential_noise builds it: step, then the seed's high and low words.
@@ -91,34 +160,41 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     greedy = temperature < greedy_eps
     divisor = tl.where(greedy, 1.0, temperature)
     noise_scale = tl.where(greedy, 0.0, 1.0)
-    chunk = BLOCK * BLOCKS
-    start = part * chunk
-    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_idx = tl.full((BLOCK,), 2147483647, tl.int32)
-    for b in range(0, BLOCKS):
-        v = start + b * BLOCK + tl.arange(0, BLOCK)
-        inside = v < vocab
-        logit = tl.load(logits_ptr + row * stride_row + v, mask=inside, other=float("-inf"))
-        # The column's half of the key is the same for every row: a table, read from L2 after the first rows.
-        column = tl.load(vocab_key_ptr + v, mask=inside, other=0).to(tl.uint32, bitcast=True)
-        bits = _mix32(key ^ column)
-        # u = (2j + 1) / 2^24 from the top 24 bits: exact in float32, strictly inside (0, 1).
-        u = ((bits >> 8) | 1).to(tl.float32) * (1.0 / 16777216.0)
-        log_e = tl.log(-tl.log(u))
-        value = logit.to(tl.float32) / divisor - noise_scale * log_e
-        allowed = inside
-        if MASKED:
-            below = inside & (v < limit)
-            # A select, not `below & constrained`: Triton's interpreter types the scalar comparison as
-            # int32, and rejects an int32 mask (compiled, the two are the same code).
-            word = tl.load(mask_base + v // 32, mask=tl.where(constrained, below, False), other=-1)
-            allowed = below & (((word >> (v % 32)) & 1) != 0)
-        value = tl.where(allowed, value, float("-inf"))
-        better = value > best_val  # strict: a lane keeps its earliest index on ties
-        best_val = tl.where(better, value, best_val)
-        best_idx = tl.where(better, v, best_idx)
-    top = tl.max(best_val, axis=0)
-    first = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
+    start = part * (BLOCK * BLOCKS)
+    row_base = row * stride_row
+    if MASKED:
+        # This row's bitmask row (-1: unconstrained), by a scan of the (at most a batch of) listed rows,
+        # from L2 after the first program.
+        mask_row = tl.full([], -1, tl.int32)
+        for i in range(0, masked_rows, 64):
+            lane = i + tl.arange(0, 64)
+            listed = tl.load(mask_rows_ptr + lane, mask=lane < masked_rows, other=-1)
+            mask_row = tl.maximum(mask_row, tl.max(tl.where(listed == row, lane, -1), axis=0))
+        # A branch, not a select: unconstrained rows run the plain loop, with none of the mask's work.
+        if mask_row >= 0:
+            mask_base = mask_ptr + mask_row.to(tl.int64) * mask_stride
+            top, first = _race_masked(
+                logits_ptr,
+                row_base,
+                vocab_key_ptr,
+                key,
+                divisor,
+                noise_scale,
+                start,
+                vocab,
+                mask_base,
+                mask_vocab,
+                BLOCK,
+                BLOCKS,
+            )
+        else:
+            top, first = _race_plain(
+                logits_ptr, row_base, vocab_key_ptr, key, divisor, noise_scale, start, vocab, BLOCK, BLOCKS
+            )
+    else:
+        top, first = _race_plain(
+            logits_ptr, row_base, vocab_key_ptr, key, divisor, noise_scale, start, vocab, BLOCK, BLOCKS
+        )
     tl.store(best_val_ptr + row * slices + part, top)
     tl.store(best_idx_ptr + row * slices + part, first)
 
@@ -180,6 +256,10 @@ def race_sample(
     if bitmask is not None and (bitmask.dtype != torch.int32 or bitmask.stride(1) != 1):
         raise ValueError("the bitmask must be int32 with a contiguous last dim (xgrammar's)")
     mask_vocab = min(bitmask_vocab or vocab, vocab)
+    if masked and block % 32:
+        raise ValueError(
+            f"a masked race reads whole bitmask words per block: block {block} is not a multiple of 32"
+        )
     if bitmask is not None and 32 * bitmask.shape[1] < mask_vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot speak for {mask_vocab} ids")
     partial: Any = race_partial_kernel[(rows, slices)]
