@@ -60,7 +60,7 @@ def _race_values(logits_ptr, row_base, vocab_key_ptr, v, inside, key, divisor, n
 
 
 @triton.jit
-def _race_plain(
+def _race_plain(  # type: ignore[no-untyped-def]  # pointers and constexprs
     logits_ptr,
     row_base,
     vocab_key_ptr,
@@ -68,7 +68,7 @@ def _race_plain(
     divisor,
     noise_scale,
     start,
-    vocab,  # type: ignore[no-untyped-def]
+    vocab,
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
@@ -86,7 +86,7 @@ def _race_plain(
 
 
 @triton.jit
-def _race_masked(
+def _race_masked(  # type: ignore[no-untyped-def]  # pointers and constexprs
     logits_ptr,
     row_base,
     vocab_key_ptr,
@@ -94,7 +94,7 @@ def _race_masked(
     divisor,
     noise_scale,
     start,
-    vocab,  # type: ignore[no-untyped-def]
+    vocab,
     mask_base,
     limit,
     BLOCK: tl.constexpr,
