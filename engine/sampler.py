@@ -197,6 +197,8 @@ class Sampler:
         self._fused_draw = fused_draw
         self._race_one_pass = race
         self._vocab_keys = None if race is None else race_keys(vocab_size, device or torch.device("cpu"))
+        # The race's per-row tickets (zero between launches), grown to the largest batch seen.
+        self._race_tickets: torch.Tensor | None = None
         self._race = torch.compile(exponential_race, dynamic=True) if fuse else exponential_race
         # For batches where no row brought a seed: one exponential_ kernel instead of the hash.
         self._generator = torch.Generator(device=device or "cpu")
@@ -288,8 +290,13 @@ class Sampler:
             "bitmask_rows": batch.bitmask_rows,
             "bitmask_vocab": batch.bitmask_vocab,
         }
+        tickets = self._race_tickets
+        if tickets is None or tickets.shape[0] < logits.shape[0]:
+            tickets = self._race_tickets = torch.zeros(
+                logits.shape[0], dtype=torch.int32, device=logits.device
+            )
         return self._race_one_pass(
-            logits, *rows, self._vocab_keys, vocab_size=self.vocab_size, **mask, **launch
+            logits, *rows, self._vocab_keys, vocab_size=self.vocab_size, tickets=tickets, **mask, **launch
         )
 
     def _one_pass(self, batch: SamplingBatch) -> bool:

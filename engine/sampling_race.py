@@ -7,8 +7,10 @@ seeded row took the much slower torch hash race instead
 (benchmarks/results/kernel-choices-sampling-slices.json). Here each program reads a slice of one row's
 logits in their own dtype once, divides by the row's temperature, subtracts the row's counter-based noise
 (the same hash of seed, step and vocab index as `log_exponential_noise`; the vocab index's own hash comes
-from the `vocab_keys` table) and keeps the running argmax; a second, tiny kernel picks each row's winner
-among its slices. Rows with temperature below `GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
+from the `vocab_keys` table) and keeps the running argmax. Each program then takes a ticket, and the one
+that takes a row's last ticket picks the row's winner among its slices: one launch per batch, since the
+host's per-launch cost is a visible share of a small model's step. Rows with temperature below
+`GREEDY_EPS` take the plain argmax, as in `Sampler._draw`.
 Structured-output rows branch to a loop that reads their bitmask a block of words at a time; the other
 rows of a masked launch run the plain loop, so sharing a launch with constrained rows costs them nothing.
 
@@ -126,7 +128,7 @@ def _race_masked(  # type: ignore[no-untyped-def]  # pointers and constexprs
 
 # The mask's sizes vary by batch and tokenizer: specialized, each new value could build a variant mid-run.
 @triton.jit(do_not_specialize=["masked_rows", "mask_stride", "mask_vocab"])
-def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+def race_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     logits_ptr,
     temperature_ptr,
     seed_ptr,
@@ -134,6 +136,8 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     vocab_key_ptr,
     best_val_ptr,
     best_idx_ptr,
+    tickets_ptr,  # int32 [B]: zero between launches
+    out_ptr,
     mask_ptr,  # int32 [G, mask_stride]: xgrammar's packed bitmasks (MASKED)
     mask_rows_ptr,  # int64 [G]: the batch row of each bitmask row (MASKED)
     stride_row,
@@ -146,6 +150,7 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,  # per slice; a constant so the loop has a fixed trip count
     MASKED: tl.constexpr,
+    SLICES: tl.constexpr,  # `slices` rounded up to a power of two
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -195,22 +200,31 @@ def race_partial_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
         top, first = _race_plain(
             logits_ptr, row_base, vocab_key_ptr, key, divisor, noise_scale, start, vocab, BLOCK, BLOCKS
         )
-    tl.store(best_val_ptr + row * slices + part, top)
-    tl.store(best_idx_ptr + row * slices + part, first)
+    if SLICES == 1:
+        _store_token(out_ptr + row, first)
+    else:
+        tl.store(best_val_ptr + row * slices + part, top)
+        tl.store(best_idx_ptr + row * slices + part, first)
+        # Every thread's stores come before the ticket (the barrier); the ticket releases them.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")
+        if ticket == slices - 1:
+            lane = tl.arange(0, SLICES)
+            valid = lane < slices
+            # .cg: from L2, where the other programs' stores are, not a stale L1 line.
+            at = row * slices + lane
+            val = tl.load(best_val_ptr + at, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            idx = tl.load(best_idx_ptr + at, mask=valid, other=2147483647, cache_modifier=".cg")
+            best = tl.max(val, axis=0)
+            # Slices are in vocab order, so the lowest index among the tied maxima is torch.argmax's answer.
+            _store_token(out_ptr + row, tl.min(tl.where(val == best, idx, 2147483647), axis=0))
+            tl.atomic_xchg(tickets_ptr + row, 0)  # ready for the next launch
 
 
 @triton.jit
-def race_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, slices, SLICES: tl.constexpr):  # type: ignore[no-untyped-def]
-    row = tl.program_id(0)
-    lane = tl.arange(0, SLICES)
-    valid = lane < slices
-    val = tl.load(best_val_ptr + row * slices + lane, mask=valid, other=float("-inf"))
-    idx = tl.load(best_idx_ptr + row * slices + lane, mask=valid, other=2147483647)
-    top = tl.max(val, axis=0)
-    # Slices are in vocab order, so the lowest index among the tied maxima is torch.argmax's answer.
-    first = tl.min(tl.where(val == top, idx, 2147483647), axis=0)
+def _store_token(dst, first):  # type: ignore[no-untyped-def]
     # A row with nothing above -inf (or only NaN) keeps no index: 0, as torch.argmax of all -inf gives.
-    tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
+    tl.store(dst, tl.where(first == 2147483647, 0, first).to(tl.int64))
 
 
 def race_sample(
@@ -226,6 +240,7 @@ def race_sample(
     bitmask: torch.Tensor | None = None,
     bitmask_rows: torch.Tensor | None = None,
     bitmask_vocab: int | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int64 [B]: per row, argmax(logits / T - log E(seed, step, v)) over the first `vocab_size`
     columns; the plain argmax where T < GREEDY_EPS. logits [B, V'] in any float dtype (rows may be
@@ -234,7 +249,10 @@ def race_sample(
 
     `bitmask` int32 [G, W] (xgrammar's packing) constrains the batch rows `bitmask_rows` (int64 [G]):
     their tokens with a clear bit, and ids from `bitmask_vocab` on, are never drawn; a row left with
-    nothing drawable gets 0, as for all -inf logits."""
+    nothing drawable gets 0, as for all -inf logits.
+
+    `tickets` int32 [>= B], zero, and left zero: the slices' meeting point, kept by the caller so a launch
+    needs no fill (a fresh one is made without it). Launches sharing it must be ordered (one stream)."""
     rows = logits.shape[0]
     vocab = vocab_size or logits.shape[1]
     if logits.stride(1) != 1 or vocab > logits.shape[1]:
@@ -250,6 +268,10 @@ def race_sample(
     best_val = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if tickets is None:
+        tickets = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    elif tickets.dtype != torch.int32 or tickets.shape[0] < rows:
+        raise ValueError(f"tickets must be int32 with at least {rows} entries")
     masked = bitmask is not None
     if masked != (bitmask_rows is not None):
         raise ValueError("give the bitmask and its batch rows together")
@@ -262,7 +284,7 @@ def race_sample(
         )
     if bitmask is not None and 32 * bitmask.shape[1] < mask_vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot speak for {mask_vocab} ids")
-    partial: Any = race_partial_kernel[(rows, slices)]
+    partial: Any = race_kernel[(rows, slices)]
     partial(
         logits,
         temperature,
@@ -271,6 +293,8 @@ def race_sample(
         columns,
         best_val,
         best_idx,
+        tickets,
+        out,
         bitmask if bitmask is not None else best_idx,  # placeholders unmasked: never read
         bitmask_rows if bitmask_rows is not None else seeds,
         logits.stride(0),
@@ -283,7 +307,6 @@ def race_sample(
         BLOCK=block,
         BLOCKS=per_slice,
         MASKED=masked,
+        SLICES=triton.next_power_of_2(slices),
     )
-    reduce: Any = race_reduce_kernel[(rows,)]
-    reduce(best_val, best_idx, out, slices, SLICES=triton.next_power_of_2(slices))
     return out

@@ -17,8 +17,7 @@ from tandem.benchmarks.profile_steps import kind_of
         ("qk_norm_rope_kernel", "q/k norm + rope"),
         ("void flashinfer::norm::FusedAddRMSNormKernel<8u, bf16>", "rms norms"),
         ("void flashinfer::activation::act_and_mul_kernel<...>", "activation"),
-        ("race_partial_kernel", "sampling"),
-        ("race_reduce_kernel", "sampling"),  # not "elementwise", though its name holds "reduce"
+        ("race_kernel", "sampling"),
         ("nvjet_sm90_tst_64x32_64x16_4x2_h_bz_TNT", "gemm"),
         ("void cublasLt::splitKreduce_kernel<32, 16>", "gemm"),
         ("Memcpy HtoD (Pinned -> Device)", "memcpy"),
