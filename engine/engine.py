@@ -188,7 +188,7 @@ class Engine:
         producer = self.streams.current()
         copy = self.streams.copy if self.config.copy_stream else producer
         assert isinstance(copy, torch.cuda.Stream) and isinstance(producer, torch.cuda.Stream)
-        copy.wait_stream(producer)
+        self.streams.wait(copy, on=producer)
         with self.streams.use(copy):
             hosts = []
             for t in tensors:

@@ -67,6 +67,10 @@ class StreamSet:
         self._index = (
             (device.index if device.index is not None else torch.cuda.current_device()) if self.is_cuda else 0
         )
+        # One event per (waiting, waited-on) pair, recorded again for each wait: torch's `wait_stream`
+        # creates and destroys an event per call, host time the loop pays several times a step. A wait
+        # already queued keeps the state the event had when it was queued, so reuse is safe.
+        self._marks: dict[tuple[int, int], torch.cuda.Event] = {}
 
     def current(self) -> Stream:
         if self.is_cuda:
@@ -95,14 +99,19 @@ class StreamSet:
     def wait(self, stream: Stream, on: Stream) -> None:
         """Make later work on `stream` wait for work already queued on `on`."""
         if isinstance(stream, torch.cuda.Stream) and isinstance(on, torch.cuda.Stream):
-            stream.wait_stream(on)
+            key = (stream.stream_id, on.stream_id)
+            mark = self._marks.get(key)
+            if mark is None:
+                mark = self._marks[key] = torch.cuda.Event()
+            mark.record(on)
+            stream.wait_event(mark)
 
     def hand_over(self, tensors: Iterable[torch.Tensor], to: Stream) -> None:
         """Pass `tensors`, just written on the current stream, to `to`: later work on `to` waits for the
         current stream's work so far, and the caching allocator keeps their memory until `to` is done
         with them."""
         if isinstance(to, torch.cuda.Stream):
-            to.wait_stream(self.current())  # type: ignore[arg-type]  # a CUDA set's current is a CUDA stream
+            self.wait(to, on=self.current())
             for tensor in tensors:
                 tensor.record_stream(to)
 

@@ -19,7 +19,7 @@ from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
 from tandem.scheduler.slot_params import FLOAT_PARAMS, INT_PARAMS, SlotParams
-from tandem.scheduler.staging import Staging
+from tandem.scheduler.staging import PinnedSlots, Staged, Staging
 from tandem.scheduler.table import RequestTable
 
 IntArray = npt.NDArray[np.int64]
@@ -61,6 +61,7 @@ class BatchBuilder:
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
         self.params = SlotParams(table.max_running, eos_token_ids)
+        self._pinned = PinnedSlots() if device.type == "cuda" else None
 
     def admit(self, req: Request) -> None:
         """Record a request that has just taken its slot."""
@@ -80,7 +81,7 @@ class BatchBuilder:
             row_of_token = np.repeat(np.arange(len(rows)), lengths)
             offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             positions = starts[row_of_token] + offsets
-        stage = Staging(self.device)
+        stage = Staging(self.device, self._pinned)
         inputs = stage.add(slots[row_of_token] * max_len + positions, np.int64)
         outputs = stage.add(np.where(samples & (ends < max_len), slots * max_len + ends, -1), np.int64)
         pos = stage.add(positions, np.int64)
@@ -98,25 +99,25 @@ class BatchBuilder:
         return PreparedBatch(
             batch_id=batch_id,
             rows=rows,
-            input_mapping=dev[inputs],
-            output_mapping=dev[outputs],
-            positions=dev[pos],
-            seq_lens=dev[seq],
-            extend_lens=dev[ext],
-            seq_lens_cpu=host[seq],
-            extend_lens_cpu=host[ext],
+            input_mapping=dev(inputs),
+            output_mapping=dev(outputs),
+            positions=dev(pos),
+            seq_lens=dev(seq),
+            extend_lens=dev(ext),
+            seq_lens_cpu=host(seq),
+            extend_lens_cpu=host(ext),
             groups=tuple(
                 AttentionGroupBatch(
-                    page_table=dev[table],
-                    kv_start=dev[start],
-                    out_cache_loc=dev[loc],
-                    kv_start_cpu=host[start],
-                    page_table_cpu=host[table],
+                    page_table=dev(table),
+                    kv_start=dev(start),
+                    out_cache_loc=dev(loc),
+                    kv_start_cpu=host(start),
+                    page_table_cpu=host(table),
                 )
                 for table, start, loc in groups
             ),
-            sampling=sampling.build(dev),
-            history_index=None if history is None else dev[history],
+            sampling=sampling.build(sent),
+            history_index=None if history is None else dev(history),
             is_decode=is_decode,
         )
 
@@ -223,12 +224,11 @@ class _StagedSampling:
     flags: dict[str, bool]
     num_logprobs: int
 
-    def build(self, device_views: list[torch.Tensor]) -> SamplingBatch:
-        floats = dict(zip(FLOAT_PARAMS, device_views[self.floats][:, : self.rows].unbind(0), strict=True))
-        ints = dict(
-            zip((*INT_PARAMS, "steps"), device_views[self.ints][:, : self.rows].unbind(0), strict=True)
-        )
-        bias = {name: device_views[i] for name, i in self.bias.items()}
+    def build(self, sent: Staged) -> SamplingBatch:
+        rows = self.rows
+        floats = dict(zip(FLOAT_PARAMS, sent.device(self.floats)[:, :rows].unbind(0), strict=True))
+        ints = dict(zip((*INT_PARAMS, "steps"), sent.device(self.ints)[:, :rows].unbind(0), strict=True))
+        bias = {name: sent.device(i) for name, i in self.bias.items()}
         f = self.flags
         return SamplingBatch(
             temperature=floats["temperature"],

@@ -2,8 +2,9 @@
 
 A decode batch carries about twenty small arrays (token-pool indices, positions, lengths, page tables,
 sampling parameters). Pinning and copying each on its own costs tens of microseconds of host time
-apiece, which at large batch is a visible share of the step; packed, it is one pinned allocation and
-one `cudaMemcpyAsync`.
+apiece, which at large batch is a visible share of the step; packed, it is one `cudaMemcpyAsync` from a
+pinned buffer the builder keeps (`PinnedSlots`), so no step pays for a pinned allocation either. Views are
+made only for the arrays a batch reads (`Staged`), since each costs host time too.
 """
 
 from __future__ import annotations
@@ -25,24 +26,71 @@ _TORCH_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Staged:
-    """The added arrays as tensors: on the host (the arrays themselves on CUDA; views of the packed buffer
-    on CPU) and on the device (views of the packed buffer's device copy)."""
+@dataclass
+class _PinnedSlot:
+    tensor: torch.Tensor  # uint8, pinned
+    raw: npt.NDArray[np.uint8]  # the same memory
+    copied: torch.cuda.Event | None  # recorded after the copy that last read it
 
-    host: list[torch.Tensor]
-    device: list[torch.Tensor]
+
+class PinnedSlots:
+    """Pinned upload buffers, used in turn. A buffer is written again only once the copy that last read
+    it has run: with the overlap loop at most two batches are staged ahead of the device, so with four
+    buffers that wait is over before it starts."""
+
+    def __init__(self, count: int = 4) -> None:
+        self._slots: list[_PinnedSlot | None] = [None] * count
+        self._next = 0
+
+    def take(self, nbytes: int) -> _PinnedSlot:
+        i = self._next
+        self._next = (i + 1) % len(self._slots)
+        slot = self._slots[i]
+        if slot is not None and slot.copied is not None:
+            slot.copied.synchronize()
+        if slot is None or slot.tensor.numel() < nbytes:
+            # Rounded up, so a batch slightly larger than the last does not reallocate.
+            tensor = torch.empty(max(2 * nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+            slot = self._slots[i] = _PinnedSlot(tensor, tensor.numpy(), None)
+        return slot
+
+
+class Staged:
+    """The added arrays as tensors, made on demand: `host(i)` (the array itself; a view of the packed
+    buffer on CPU) and `device(i)` (a view of the packed buffer's device copy)."""
+
+    def __init__(
+        self,
+        arrays: list[npt.NDArray[np.generic]],
+        offsets: list[int],
+        packed: torch.Tensor,
+        on_device: bool,
+    ) -> None:
+        self._arrays = arrays
+        self._offsets = offsets
+        self._packed = packed
+        self._on_device = on_device
+
+    def device(self, i: int) -> torch.Tensor:
+        array, start = self._arrays[i], self._offsets[i]
+        typed = self._packed[start : start + array.nbytes].view(_TORCH_DTYPES[array.dtype])
+        return typed if array.ndim == 1 else typed.view(array.shape)
+
+    def host(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(self._arrays[i]) if self._on_device else self.device(i)
 
 
 class Staging:
     """Collects arrays with `add` (which returns the array's index), then packs and sends them.
 
-    On CPU the device views are the host views: there is nothing to copy.
+    On CPU the device views are the host views: there is nothing to copy. `slots` (CUDA): the pinned
+    buffers to pack into; without them each send allocates one.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, slots: PinnedSlots | None = None) -> None:
         self.device = device
-        self.pin = device.type == "cuda"
+        self.on_device = device.type == "cuda"
+        self.slots = slots
         self._arrays: list[npt.NDArray[np.generic]] = []
 
     def add(self, array: npt.ArrayLike, dtype: type) -> int:
@@ -56,26 +104,28 @@ class Staging:
         """Pack every added array into one buffer and start its copy on the current stream.
 
         The host views on CUDA are the added arrays themselves (the host reads them; only the copy needs
-        pinned memory); the device views come from one split of the device buffer."""
-        sizes: list[int] = []  # each array's bytes, then its padding to the next boundary
+        pinned memory)."""
+        offsets: list[int] = []
+        total = 0
         for array in self._arrays:
-            padded = -(-array.nbytes // _ALIGN) * _ALIGN
-            sizes += [array.nbytes, padded - array.nbytes]
-        total = sum(sizes)
-        buffer = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.pin)
-        raw = buffer.numpy()
-        offset = 0
-        for array, size, pad in zip(self._arrays, sizes[::2], sizes[1::2]):
-            raw[offset : offset + size] = array.reshape(-1).view(np.uint8)
-            offset += size + pad
-        on_device = buffer.to(self.device, non_blocking=True) if self.pin else buffer
-        chunks = on_device[:total].split(sizes)[::2]
-        device = [_typed(chunk, array) for chunk, array in zip(chunks, self._arrays)]
-        host = [torch.from_numpy(array) for array in self._arrays] if self.pin else device
-        return Staged(host, device)
-
-
-def _typed(chunk: torch.Tensor, array: npt.NDArray[np.generic]) -> torch.Tensor:
-    """The bytes of `chunk` as `array`'s dtype and shape (a 1-D view needs no reshape)."""
-    typed = chunk.view(_TORCH_DTYPES[array.dtype])
-    return typed if array.ndim == 1 else typed.view(array.shape)
+            offsets.append(total)
+            total += -(-array.nbytes // _ALIGN) * _ALIGN
+        total = max(total, _ALIGN)
+        slot = None
+        if self.slots is not None and self.on_device:
+            slot = self.slots.take(total)
+            host, raw = slot.tensor[:total], slot.raw
+        else:
+            host = torch.empty(total, dtype=torch.uint8, pin_memory=self.on_device)
+            raw = host.numpy()
+        for array, offset in zip(self._arrays, offsets):
+            raw[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+        if not self.on_device:
+            return Staged(self._arrays, offsets, host, on_device=False)
+        packed = torch.empty(total, dtype=torch.uint8, device=self.device)
+        packed.copy_(host, non_blocking=True)
+        if slot is not None:
+            if slot.copied is None:
+                slot.copied = torch.cuda.Event()
+            slot.copied.record()
+        return Staged(self._arrays, offsets, packed, on_device=True)

@@ -289,7 +289,7 @@ class FlashInferBackend:
                 if group.window is not None:
                     kv_start = paging.kv_start_cpu.numpy()
             # Written straight into the staging buffer (padding rows list the dummy page alone, one
-            # token, so they store K/V only there), then sent in two copies.
+            # token, so they store K/V only there), then sent in one copy.
             meta = decode_graph_meta(
                 seq_lens, kv_start, table, graph_bs, group.num_pages, self.page_size, bufs.staged
             )

@@ -31,8 +31,8 @@ class GraphBuffers:
 
     The device fields are views of one int32 buffer, `meta`: indptr, last-page lengths and coords back
     to back (the header), then the page indices. A plan writes the same layout into `staging`, a
-    persistent host buffer (pinned on CUDA), and sends it in two copies: the header whole, and the
-    indices it lists.
+    persistent host buffer (pinned on CUDA), and sends the header and the indices it lists in one
+    copy.
     """
 
     meta: torch.Tensor  # int32 [header + capacity], device
@@ -51,12 +51,11 @@ class GraphBuffers:
     wrappers: dict[int, Any]  # padded batch size -> graph-mode decode wrapper
 
     def send(self, listed: int) -> None:
-        """Start the copies of a plan's staged values: the header whole, and the `listed` page indices.
-        The next plan writes `staging` again only after these copies ran (the backend's
+        """Start the copy of a plan's staged values: the header and the `listed` page indices after it,
+        in one copy. The next plan writes `staging` again only after it ran (the backend's
         `_wait_previous_plan`)."""
-        self.meta[: self.header].copy_(self.staging[: self.header], non_blocking=True)
         end = self.header + listed
-        self.meta[self.header : end].copy_(self.staging[self.header : end], non_blocking=True)
+        self.meta[:end].copy_(self.staging[:end], non_blocking=True)
 
     def append_targets(self, batch_size: int) -> AppendTargets:
         """Where a decode graph of `batch_size` rows stores new K/V: its own buffers, fixed per size."""

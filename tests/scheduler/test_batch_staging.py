@@ -29,7 +29,7 @@ def test_staging_round_trips_mixed_arrays_at_aligned_offsets() -> None:
     handles = [stage.add(a, dtype) for a, dtype in arrays]
     sent = stage.send()
     for handle, (array, dtype) in zip(handles, arrays):
-        for view in (sent.host[handle], sent.device[handle]):
+        for view in (sent.host(handle), sent.device(handle)):
             assert view.shape == array.shape
             assert view.numpy().dtype == np.dtype(dtype)
             np.testing.assert_array_equal(view.numpy(), array.astype(dtype))
