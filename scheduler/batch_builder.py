@@ -40,7 +40,7 @@ class PreparedBatch:
     batch_id: int
     rows: list[Row]
     input_mapping: torch.Tensor  # int64 [T], device: token-pool index of each input token
-    output_mapping: torch.Tensor  # int64 [B], device: where each sampled token goes; -1 for none
+    output_mapping: torch.Tensor  # int64 [B], device: where each sampled token goes; the spare for none
     positions: torch.Tensor
     seq_lens: torch.Tensor
     extend_lens: torch.Tensor
@@ -83,7 +83,8 @@ class BatchBuilder:
             positions = starts[row_of_token] + offsets
         stage = Staging(self.device, self._pinned)
         inputs = stage.add(slots[row_of_token] * max_len + positions, np.int64)
-        outputs = stage.add(np.where(samples & (ends < max_len), slots * max_len + ends, -1), np.int64)
+        spare = self.table.spare
+        outputs = stage.add(np.where(samples & (ends < max_len), slots * max_len + ends, spare), np.int64)
         pos = stage.add(positions, np.int64)
         seq = stage.add(ends, np.int32)
         ext = stage.add(lengths, np.int32)

@@ -204,7 +204,9 @@ class Scheduler:
         when `defer_masks` (the overlap loop: their previous tokens are not accepted yet); `_sample`
         finishes it once they are."""
         pool = self.table.token_pool
-        input_ids = pool[prepared.input_mapping]
+        # index_select and index_copy_ rather than tensor indexing: the same kernels' work for a fraction
+        # of the host time, which a small model's step is made of.
+        input_ids = pool.index_select(0, prepared.input_mapping)
         sampling = prepared.sampling
         if prepared.history_index is not None:
             index = prepared.history_index
@@ -225,7 +227,7 @@ class Scheduler:
         grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
         if not grammar_rows:
             output = self.engine.forward(batch)
-            pool[prepared.output_mapping] = output.next_tokens
+            pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
             return InFlight(prepared, output)
         flight = InFlight(prepared, None, batch.sampling, self.engine.logits(batch), grammar_rows)
         if not defer_masks:
@@ -257,7 +259,7 @@ class Scheduler:
             self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
         flight.output = self.engine.sample(flight.logits, sampling)
-        self.table.token_pool[flight.prepared.output_mapping] = flight.output.next_tokens
+        self.table.token_pool.index_copy_(0, flight.prepared.output_mapping, flight.output.next_tokens)
         flight.sampling = flight.logits = flight.bitmask = None
 
     def _process(self, done: InFlight, pending: InFlight | None = None) -> None:

@@ -20,7 +20,9 @@ class RequestTable:
         self.max_running = max_running
         self.max_seq_len = max_seq_len
         self.device = device
+        # One spare entry past the rows: where a batch row with no token to keep writes its sample.
         self.token_pool = torch.zeros(max_running * max_seq_len + 1, dtype=torch.int64, device=device)
+        self.spare = max_running * max_seq_len
         max_pages = -(-max_seq_len // page_size)
         # Host tables are numpy: building a batch does many tiny gathers, and torch's intra-op thread
         # pool costs milliseconds per tiny op on a busy host, where numpy costs microseconds.
