@@ -284,8 +284,8 @@ def race_sample(
         )
     if bitmask is not None and 32 * bitmask.shape[1] < mask_vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot speak for {mask_vocab} ids")
-    partial: Any = race_kernel[(rows, slices)]
-    partial(
+    kernel: Any = race_kernel[(rows, slices)]
+    kernel(
         logits,
         temperature,
         seeds,
