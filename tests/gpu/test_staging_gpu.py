@@ -31,7 +31,8 @@ def test_reused_pinned_buffers_keep_every_batch_exact() -> None:
         sent = stage.send()
         views = [sent.device(h) for h in handles]
         kept.append((arrays, views))
-        assert sent.host(handles[0]).numpy() is not None and views[0].data_ptr() % 16 == 0
+        np.testing.assert_array_equal(sent.host(handles[1]).numpy(), arrays[1])
+        assert all(view.data_ptr() % 16 == 0 for view in views)
     torch.cuda.synchronize()
     for arrays, views in kept:
         np.testing.assert_array_equal(views[0].cpu().numpy(), arrays[0])
