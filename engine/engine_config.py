@@ -87,6 +87,7 @@ class EngineConfig:
     fused_decode_max_bs: int = 0
     pdl_max_bs: int = 0
     small_gemm_max_bs: int = 0
+    gemv_max_bs: int = 0
     quantization: str | None = None  # "fp8": weights quantized at load; FP8 checkpoints set it too
     # FP8 layers' GEMM on CUDA (quant/fp8_linear.py): "block" (flashinfer, Hopper) or "scaled_mm"; None
     # on CPU or without FP8.
@@ -107,6 +108,7 @@ class EngineConfig:
             "fused_decode_max_bs": self.fused_decode_max_bs,
             "pdl_max_bs": self.pdl_max_bs,
             "small_gemm_max_bs": self.small_gemm_max_bs,
+            "gemv_max_bs": self.gemv_max_bs,
             "quantization": self.quantization,
             "fp8_gemm": self.fp8_gemm,
             "kv_cache_dtype": None
@@ -224,6 +226,7 @@ def resolve_engine_config(
     # PDL and tinygemm live inside CUDA graphs, with the fused kernels, on Hopper and later; the one-launch
     # decode inside decode graphs, with Triton. PDL only for the Triton kernels' rows.
     hopper_graphs = graphs and fused and facts.hopper
+    pdl_rows = min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0
     return EngineConfig(
         model_dir=model_dir,
         device=dev,
@@ -240,8 +243,10 @@ def resolve_engine_config(
         cuda_graph_max_bs=opts.cuda_graph_max_bs,
         piecewise_max_tokens=opts.piecewise_max_tokens,
         fused_decode_max_bs=opts.fused_decode_max_bs if graphs and triton else 0,
-        pdl_max_bs=min(opts.pdl_max_bs, opts.fused_decode_max_bs) if hopper_graphs else 0,
+        pdl_max_bs=pdl_rows,
         small_gemm_max_bs=opts.small_gemm_max_bs if hopper_graphs and facts.tinygemm else 0,
+        # The GEMV wins by loading its weights under the kernel before it: only where PDL runs.
+        gemv_max_bs=min(opts.gemv_max_bs, pdl_rows) if triton else 0,
         quantization=quantization,
         fp8_gemm=_fp8_gemm(quantization, facts),
         kv_cache_dtype=kv_dtype,

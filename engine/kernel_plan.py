@@ -6,7 +6,8 @@ layers read the plan from the forward context (or the piecewise runner's argumen
 "am I in a graph" or compares row counts on its own.
 
 Why the limits are what they are (H200, see docs/tuning.md): inside graphs of up to 32 rows the Triton
-norms, activation and one-launch decode beat flashinfer's kernels; up to 8 rows PDL and tinygemm win.
+norms, activation and one-launch decode beat flashinfer's kernels; up to 8 rows PDL and tinygemm win; at
+one row the Triton GEMV, whose weight load overlaps the kernel before it, wins over both GEMM kernels.
 Eagerly, Triton's host-side launch costs more than the kernel saves, so `EAGER` keeps all of them off.
 """
 
@@ -26,6 +27,7 @@ class KernelPlan:
     triton_norms: bool = False  # residual add + RMS norm and SiLU-and-multiply as Triton kernels
     pdl: bool = False  # Triton kernels and tinygemm launch with programmatic dependent launch
     tinygemm: bool = False  # GEMMs of the shapes tinygemm wins (`Linear.tinygemm_fits`) run as tinygemm
+    gemv: bool = False  # GEMMs run as the Triton GEMV (layers/triton_gemv.py), ahead of tinygemm
 
 
 EAGER = KernelPlan()
@@ -39,6 +41,7 @@ class KernelPlanner:
     triton_norm_rows: int = 0
     pdl_rows: int = 0
     tinygemm_rows: int = 0
+    gemv_rows: int = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> KernelPlanner:
@@ -48,6 +51,7 @@ class KernelPlanner:
             triton_norm_rows=config.fused_decode_max_bs,
             pdl_rows=config.pdl_max_bs,
             tinygemm_rows=config.small_gemm_max_bs,
+            gemv_rows=config.gemv_max_bs,
         )
 
     def decode(self, batch_size: int) -> KernelPlan:
@@ -65,4 +69,5 @@ class KernelPlanner:
             triton_norms=rows <= self.triton_norm_rows,
             pdl=rows <= self.pdl_rows,
             tinygemm=rows <= self.tinygemm_rows,
+            gemv=rows <= self.gemv_rows,
         )

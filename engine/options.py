@@ -151,6 +151,12 @@ class EngineOptions:
         "(Hopper and later); 0: cuBLAS throughout.",
         ge=0,
     )
+    gemv_max_bs: int = option(
+        1,
+        "Largest CUDA graph whose GEMMs run as tandem's Triton GEMV, which loads its weights while the "
+        "kernel before it runs (with PDL: Hopper and later); at most pdl_max_bs; 0 turns it off.",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

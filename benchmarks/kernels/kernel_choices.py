@@ -356,8 +356,8 @@ def main() -> None:
     section("gemm", gemm_rows, LLAMA, gemm_batches, bandwidth, gemm_libs)
     if not args.quick:
         section("gemm", gemm_rows, QWEN, [64, 256], bandwidth, gemm_libs)
-    for bs in (1, 4, 8):
-        section("chain", chain_rows, LLAMA, bs)
+    for shape, bs in [(LLAMA, 1), (LLAMA, 4), (LLAMA, 8), (QWEN, 1), (QWEN, 8)]:
+        section("chain", chain_rows, shape, bs)
     section("sampling", sampling_rows, 128256, [1, 64])
     section("sampling", sampling_rows, 151936, [256])
     section("qk_norm_rope", qk_norm_rope_rows, QWEN, [1, 64, 256], False)

@@ -4,9 +4,10 @@ choices that only pay together:
 - the Triton activation (engine/layers/triton_act.py) in place of flashinfer's;
 - flashinfer's reference tinygemm2 kernel (a small-M GEMM that streams its weights through TMA; the one
   FusedKernels calls) in place of cuBLAS, for some or all four GEMMs;
+- tandem's Triton GEMV (engine/layers/triton_gemv.py) for all four GEMMs;
 - programmatic dependent launch (engine/layers/pdl.py): each kernel lets the next start at once, and
-  tinygemm loads its weights before it waits for its input, so the weight stream of a GEMM overlaps the
-  small kernel before it.
+  tinygemm and the GEMV load their weights before they wait for their input, so the weight stream of a
+  GEMM overlaps the small kernel before it.
 
 Alone, each kernel's time hides how much of it the next one could overlap; here the figure is µs per
 layer over `layers` distinct weight and K/V sets cycled `repeat` times, so L2 serves none of them. Each
@@ -32,10 +33,12 @@ class Variant:
     triton_act: bool
     tiny: frozenset[str]  # the GEMMs run by tinygemm: qkv, o, gate_up, down
     pdl: bool
+    gemv: frozenset[str] = frozenset()  # the GEMMs run by the Triton GEMV (engine/layers/triton_gemv.py)
 
 
 ALL = frozenset({"qkv", "o", "gate_up", "down"})
 OD = frozenset({"o", "down"})
+FIT = frozenset({"qkv", "o", "down"})  # where tinygemm's CTAs make at most two waves on Qwen3-0.6B
 VARIANTS = [
     Variant("engine", False, frozenset(), False),  # what the engine ran before this part
     Variant("triton-act", True, frozenset(), False),
@@ -43,6 +46,8 @@ VARIANTS = [
     Variant("tiny-od", True, OD, False),
     Variant("pdl-tiny-od", True, OD, True),
     Variant("pdl-tiny-all", True, ALL, True),
+    Variant("pdl-tiny-fit", True, FIT, True),  # the engine's choice up to 8 rows on Qwen3-0.6B
+    Variant("pdl-gemv-all", True, frozenset(), True, ALL),  # the engine's choice at one row
 ]
 
 
@@ -121,12 +126,15 @@ class _Chain:
         from tandem.engine.attention.triton_decode import decode_rope_attention
         from tandem.engine.layers.fused import tinygemm2
         from tandem.engine.layers.triton_act import silu_and_mul
+        from tandem.engine.layers.triton_gemv import gemv as triton_gemv
         from tandem.engine.layers.triton_norm import add_rmsnorm
 
         qkv_w, o_w, gu_w, d_w = self.weights[j % self.layers]
         tiny = tinygemm2()
 
         def gemm(name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            if name in v.gemv:
+                return triton_gemv(x, weight, pdl=v.pdl)
             if name not in v.tiny:
                 return F.linear(x, weight)
             out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)

@@ -39,6 +39,8 @@ DecodeRopeAttention = Callable[..., torch.Tensor]
 SmallAct = Callable[..., torch.Tensor]
 # flashinfer's tinygemm2: (x, weight, out, bias or None, use_pdl) -> None, out = x weight^T (+ bias).
 SmallGemm = Callable[..., None]
+# triton_gemv.gemv: (x [T, K], weight [N, K], bias or None, *, pdl) -> x weight^T (+ bias) [T, N].
+Gemv = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -50,16 +52,19 @@ class TritonKernels:
     decode_rope_attention: DecodeRopeAttention
     add_rmsnorm: SmallNorm
     silu_and_mul: SmallAct
+    gemv: Gemv
+    gemv_fits: Callable[[torch.Tensor], bool]
 
     @classmethod
     def load(cls) -> TritonKernels:
         from tandem.engine.attention.triton_decode import decode_rope_attention
         from tandem.engine.layers.qk_norm_rope import qk_norm_rope
         from tandem.engine.layers.triton_act import silu_and_mul
+        from tandem.engine.layers.triton_gemv import fits, gemv
         from tandem.engine.layers.triton_norm import add_rmsnorm
         from tandem.engine.sampling_race import race_sample
 
-        return cls(qk_norm_rope, race_sample, decode_rope_attention, add_rmsnorm, silu_and_mul)
+        return cls(qk_norm_rope, race_sample, decode_rope_attention, add_rmsnorm, silu_and_mul, gemv, fits)
 
 
 class FusedKernels:
@@ -146,6 +151,20 @@ class FusedKernels:
             and n // 16 <= 2 * self.num_sms
             and weight.is_contiguous()
         )
+
+    def gemv_fits(self, weight: torch.Tensor) -> bool:
+        """Whether a [N, K] weight is one the Triton GEMV (triton_gemv.py) takes: 16-bit, contiguous, K up
+        to 16,384. Every GEMM of the model families tandem serves fits."""
+        return self.triton is not None and self.triton.gemv_fits(weight)
+
+    def gemv(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan
+    ) -> torch.Tensor:
+        """x weight^T (+ bias) as the Triton GEMV, for a weight that `gemv_fits`, under a plan with `gemv`."""
+        assert self.triton is not None
+        if x.dim() != 2 or x.stride(1) != 1:
+            return torch.nn.functional.linear(x, weight, bias)
+        return self.triton.gemv(x, weight, bias, pdl=plan.pdl)
 
     def tinygemm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan

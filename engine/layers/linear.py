@@ -47,6 +47,23 @@ def head_shard(num_heads: int, head_dim: int, tp: TPGroup) -> OutputShard:
     return OutputShard(num_heads * head_dim, start * head_dim, per_rank * head_dim)
 
 
+def small_matmul(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: KernelPlan,
+) -> torch.Tensor | None:
+    """The layer's GEMM as the Triton GEMV or tinygemm where the plan and the weight's shape say so (the
+    GEMV first: its plans are the smaller graphs), else None: the layer's own matmul."""
+    if layer.kernels is None:
+        return None
+    if plan.gemv and layer.gemv_fits:
+        return layer.kernels.gemv(x, layer.weight, bias, plan)
+    if plan.tinygemm and layer.tinygemm_fits:
+        return layer.kernels.tinygemm(x, layer.weight, bias, plan)
+    return None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b), with the output dimension split over ranks. No communication."""
 
@@ -70,7 +87,8 @@ class ColumnParallelLinear(nn.Module):
         local = sum(s.size for s in self.shards)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device), False)
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device), False) if bias else None
-        # Whether a plan with `tinygemm` runs this layer's GEMM as tinygemm: decided once, by shape.
+        # Whether a plan with `gemv` / `tinygemm` may run this layer's GEMM so: decided once, by shape.
+        self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
 
     @property
@@ -88,10 +106,8 @@ class ColumnParallelLinear(nn.Module):
         target.data[offset : offset + shard.size].copy_(rows)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
-        if plan.tinygemm and self.tinygemm_fits:
-            assert self.kernels is not None
-            return self.kernels.tinygemm(x, self.weight, self.bias, plan)
-        return self.matmul(x, self.weight, self.bias)
+        out = small_matmul(self, x, self.bias, plan)
+        return out if out is not None else self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -120,6 +136,7 @@ class RowParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), False) if bias else None
         )
+        self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
@@ -133,7 +150,5 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        if plan.tinygemm and self.tinygemm_fits:
-            assert self.kernels is not None
-            return self.tp.all_reduce(self.kernels.tinygemm(x, self.weight, bias, plan))
-        return self.tp.all_reduce(self.matmul(x, self.weight, bias))
+        out = small_matmul(self, x, bias, plan)
+        return self.tp.all_reduce(out if out is not None else self.matmul(x, self.weight, bias))

@@ -149,6 +149,7 @@ def quantize_linears(
             continue
         module.weight = nn.Parameter(wq, requires_grad=False)
         module.matmul = matmul
-        module.tinygemm_fits = False  # tinygemm takes bf16 weights
+        module.tinygemm_fits = False  # tinygemm and the Triton GEMV take 16-bit weights
+        module.gemv_fits = False
         made += 1
     return made

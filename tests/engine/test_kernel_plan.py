@@ -1,7 +1,8 @@
 """Kernel plans on CPU, for devices the test only describes: the plan of each captured shape must pick
 exactly what the per-call checks of the engine before plans picked (the one-launch decode up to 32 decode
 rows, Triton norms and activation in graphs of up to 32 rows, PDL and tinygemm up to 8 on Hopper, nothing
-of it eagerly), and the layers must follow the plan they are handed."""
+of it eagerly), the Triton GEMV takes graphs of one row where PDL runs, and the layers must follow the
+plan they are handed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tandem.engine.kernel_plan import EAGER, KernelPlan, KernelPlanner
 from tandem.engine.options import FUSED_DECODE_MAX_BS
 
 H200 = DeviceFacts(cuda=True, capability=(9, 0), num_sms=132, flashinfer=True, triton=True, tinygemm=True)
+NO_TRITON = DeviceFacts(cuda=True, capability=(9, 0), num_sms=132, flashinfer=True)
 A100 = DeviceFacts(cuda=True, capability=(8, 0), num_sms=108, flashinfer=True, triton=True, tinygemm=True)
 
 
@@ -28,13 +30,15 @@ def _legacy_decode(config: EngineConfig, bs: int) -> KernelPlan:
     """What the engine before plans did in the decode graph of `bs` rows, clause by clause: the backend
     built one-launch buffers for sizes <= fused_decode_max_bs where Triton imported; FusedKernels took its
     Triton norms while `_in_graphs` for 2D inputs of rows <= min(fused_decode_max_bs, 32), PDL for rows <=
-    pdl_max_bs, and tinygemm for 0 < rows <= small_gemm_max_bs (with tinygemm importable)."""
+    pdl_max_bs, and tinygemm for 0 < rows <= small_gemm_max_bs (with tinygemm importable). Added since: the
+    Triton GEMV for 0 < rows <= gemv_max_bs."""
     return KernelPlan(
         rows=bs,
         fused_decode=config.triton and bs <= config.fused_decode_max_bs,
         triton_norms=config.triton and bs <= min(config.fused_decode_max_bs, 32),
         pdl=bs <= config.pdl_max_bs,
         tinygemm=0 < bs <= config.small_gemm_max_bs,
+        gemv=0 < bs <= config.gemv_max_bs,
     )
 
 
@@ -42,6 +46,7 @@ def test_hopper_defaults_resolve_to_todays_limits(tmp_path: Path) -> None:
     config = _config(tmp_path, H200)
     assert config.attention_backend == "flashinfer" and config.cuda_graph and config.triton
     assert (config.fused_decode_max_bs, config.pdl_max_bs, config.small_gemm_max_bs) == (32, 8, 8)
+    assert config.gemv_max_bs == 1
 
 
 def test_hopper_plans_per_decode_graph(tmp_path: Path) -> None:
@@ -51,7 +56,7 @@ def test_hopper_plans_per_decode_graph(tmp_path: Path) -> None:
         plan = planner.decode(bs)
         assert plan == _legacy_decode(config, bs), bs
         assert plan.fused_decode == (bs <= 32) and plan.triton_norms == (bs <= 32)
-        assert plan.pdl == (bs <= 8) and plan.tinygemm == (bs <= 8)
+        assert plan.pdl == (bs <= 8) and plan.tinygemm == (bs <= 8) and plan.gemv == (bs == 1)
 
 
 def test_hopper_plans_per_piecewise_bucket(tmp_path: Path) -> None:
@@ -61,30 +66,35 @@ def test_hopper_plans_per_piecewise_bucket(tmp_path: Path) -> None:
         # Attention runs between the pieces, so never the one launch; the rest by token count.
         assert not plan.fused_decode
         assert (plan.triton_norms, plan.pdl, plan.tinygemm) == (tokens <= 32, tokens <= 8, tokens <= 8)
+        assert plan.gemv == (tokens == 1)
 
 
 def test_eager_plan_runs_none_of_the_graph_kernels() -> None:
     assert KernelPlan(rows=0) == EAGER
-    assert not (EAGER.fused_decode or EAGER.triton_norms or EAGER.pdl or EAGER.tinygemm)
+    assert not (EAGER.fused_decode or EAGER.triton_norms or EAGER.pdl or EAGER.tinygemm or EAGER.gemv)
 
 
 @pytest.mark.parametrize(
     ("facts", "options", "limits"),
     [
-        (A100, {}, (32, 0, 0)),  # PDL and tinygemm need Hopper
-        (DeviceFacts(cuda=True, capability=(9, 0), num_sms=132, flashinfer=True), {}, (0, 8, 0)),  # no Triton
-        (H200, {"fused_decode_max_bs": 4}, (4, 4, 8)),  # PDL never above the one launch's rows
-        (H200, {"cuda_graph": False}, (0, 0, 0)),
-        (H200, {"fused_kernels": False}, (0, 0, 0)),
-        (H200, {"attention_backend": "torch"}, (0, 0, 0)),
-        (DeviceFacts(), {}, (0, 0, 0)),  # CPU
+        (A100, {}, (32, 0, 0, 0)),  # PDL, tinygemm and so the GEMV need Hopper
+        (NO_TRITON, {}, (0, 8, 0, 0)),
+        (H200, {"fused_decode_max_bs": 4}, (4, 4, 8, 1)),  # PDL never above the one launch's rows
+        (H200, {"gemv_max_bs": 4}, (32, 8, 8, 4)),
+        (H200, {"gemv_max_bs": 16}, (32, 8, 8, 8)),  # the GEMV never above PDL's rows
+        (H200, {"pdl_max_bs": 0}, (32, 0, 8, 0)),
+        (H200, {"cuda_graph": False}, (0, 0, 0, 0)),
+        (H200, {"fused_kernels": False}, (0, 0, 0, 0)),
+        (H200, {"attention_backend": "torch"}, (0, 0, 0, 0)),
+        (DeviceFacts(), {}, (0, 0, 0, 0)),  # CPU
     ],
 )
 def test_limits_follow_the_device_and_options(
-    tmp_path: Path, facts: DeviceFacts, options: dict[str, object], limits: tuple[int, int, int]
+    tmp_path: Path, facts: DeviceFacts, options: dict[str, object], limits: tuple[int, int, int, int]
 ) -> None:
     config = _config(tmp_path, facts, **options)
-    assert (config.fused_decode_max_bs, config.pdl_max_bs, config.small_gemm_max_bs) == limits
+    resolved = (config.fused_decode_max_bs, config.pdl_max_bs, config.small_gemm_max_bs, config.gemv_max_bs)
+    assert resolved == limits
     planner = KernelPlanner.from_config(config)
     for bs in decode_batch_sizes(64):
         assert planner.decode(bs) == _legacy_decode(config, bs), (facts, options, bs)
@@ -107,11 +117,11 @@ def test_layers_follow_the_plan_on_cpu() -> None:
         16, [even_shard(8, TPGroup())], bias=False, dtype=torch.float32, device=torch.device("cpu")
     )
     lin.weight.data.normal_()
-    assert not lin.tinygemm_fits
+    assert not lin.tinygemm_fits and not lin.gemv_fits
     norm = RMSNorm(8, 1e-6, dtype=torch.float32, device=torch.device("cpu"))
     x = torch.randn(3, 16)
-    plan = KernelPlanner(32, 32, 8, 8).decode(4)
-    assert plan.tinygemm and plan.triton_norms
+    plan = KernelPlanner(32, 32, 8, 8, 4).decode(4)
+    assert plan.tinygemm and plan.triton_norms and plan.gemv
     assert torch.equal(lin(x, plan), lin(x)) and torch.equal(norm(lin(x), plan), norm(lin(x)))
 
 
@@ -124,6 +134,7 @@ def test_fp8_kv_cache_turns_the_one_launch_off_only(tmp_path: Path) -> None:
         plan = planner.decode(bs)
         assert not plan.fused_decode
         assert (plan.triton_norms, plan.pdl, plan.tinygemm) == (bs <= 32, bs <= 8, bs <= 8)
+        assert plan.gemv == (bs == 1)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The kernels of small decode graphs chained as the engine chains them, inside a CUDA graph, with
 programmatic dependent launch: the Triton add + RMS norm, flashinfer's tinygemm in place of cuBLAS (the
-o/down shape of Llama-3.1-8B, where FusedKernels picks it), and the Triton SiLU-and-multiply. Against the
+o/down shape of Llama-3.1-8B, where FusedKernels picks it) or tandem's Triton GEMV, and the Triton
+SiLU-and-multiply. Against the
 same chain in float32 torch ops, then over many replays: a kernel that read its input before the kernel
 writing it finished (a wrong PDL wait) would change the output from one replay to the next."""
 
@@ -19,8 +20,9 @@ HIDDEN = 4096  # 256 tinygemm CTAs: the one-to-two-wave shape FusedKernels gives
 LINKS = 12  # chain links per graph: each reads what the one before it wrote
 
 
+@pytest.mark.parametrize("gemm", ["tinygemm", "gemv"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_pdl_chain_matches_float32_and_replays(rows: int) -> None:
+def test_pdl_chain_matches_float32_and_replays(rows: int, gemm: str) -> None:
     from tandem.engine.kernel_plan import KernelPlanner
     from tandem.engine.layers.fused import FusedKernels
 
@@ -30,11 +32,15 @@ def test_pdl_chain_matches_float32_and_replays(rows: int) -> None:
     if 2 * sms < HIDDEN // 16:
         pytest.skip("tinygemm is not picked for this shape on this GPU's SM count")
     kernels = FusedKernels(16, triton=True, tinygemm=True)
-    plan = KernelPlanner(fused_decode_rows=8, triton_norm_rows=8, pdl_rows=8, tinygemm_rows=8).decode(rows)
-    assert plan.triton_norms and plan.pdl and plan.tinygemm
+    gemv_rows = 8 if gemm == "gemv" else 0
+    plan = KernelPlanner(
+        fused_decode_rows=8, triton_norm_rows=8, pdl_rows=8, tinygemm_rows=8, gemv_rows=gemv_rows
+    ).decode(rows)
+    assert plan.triton_norms and plan.pdl and plan.tinygemm and plan.gemv == (gemm == "gemv")
+    matmul = kernels.gemv if plan.gemv else kernels.tinygemm
     g = torch.Generator(device="cuda").manual_seed(rows)
     weight = torch.randn(HIDDEN, HIDDEN, device="cuda", generator=g).bfloat16() * HIDDEN**-0.5
-    assert kernels.tinygemm_fits(weight)
+    assert kernels.tinygemm_fits(weight) and kernels.gemv_fits(weight)
     norm_w = (torch.rand(HIDDEN, device="cuda", generator=g) + 0.5).bfloat16()
     start = torch.randn(rows, HIDDEN, device="cuda", generator=g).bfloat16()
     residual_start = torch.randn_like(start)
@@ -42,9 +48,9 @@ def test_pdl_chain_matches_float32_and_replays(rows: int) -> None:
     def chain(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         for _ in range(LINKS):
             normed, residual = kernels.add_rmsnorm(x, residual, norm_w, 1e-6, gemma=False, plan=plan)
-            merged = kernels.tinygemm(normed, weight, None, plan)  # [rows, HIDDEN] as gate | up halves
+            merged = matmul(normed, weight, None, plan)  # [rows, HIDDEN] as gate | up halves
             act = kernels.act_and_mul(merged, gelu=False, plan=plan)
-            x = kernels.tinygemm(F.pad(act, (0, HIDDEN // 2)), weight, None, plan)
+            x = matmul(F.pad(act, (0, HIDDEN // 2)), weight, None, plan)
         return x
 
     def reference() -> torch.Tensor:
@@ -61,7 +67,7 @@ def test_pdl_chain_matches_float32_and_replays(rows: int) -> None:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         eager = chain(x, residual).clone()  # the warm-up: probes tinygemm's shapes
-        assert kernels.tinygemm_shapes() == {(rows, HIDDEN, HIDDEN, False): True}
+        assert kernels.tinygemm_shapes() == ({} if plan.gemv else {(rows, HIDDEN, HIDDEN, False): True})
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             x.copy_(start)
