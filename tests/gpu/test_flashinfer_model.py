@@ -26,15 +26,17 @@ DEVICE = torch.device("cuda")
 PAGE = 16
 NUM_PAGES = 96
 LENGTHS = [90, 124, 13, 67]  # each row's final length
-# Row spans per step: a prefill, an extend over the cached prefix, decode steps (the last with fewer
-# rows, so the decode graph pads), then another mixed extend.
+# Row spans per step: a prefill, an extend over the cached prefix, decode steps (one with fewer rows, so
+# the decode graph pads, and one of a single row, whose graph runs its GEMMs as the Triton GEMV), then
+# another mixed extend.
 STEPS: list[list[tuple[int, int]]] = [
     [(0, 37), (0, 100), (0, 5), (0, 64)],
     [(37, 50), (100, 120), (5, 9), (64, 65)],
     [(50, 51), (120, 121), (9, 10), (65, 66)],
     [(51, 52), (121, 122), (10, 11), (66, 67)],
     [(52, 53), (122, 123), (11, 12)],
-    [(53, 90), (123, 124), (12, 13)],
+    [(53, 54)],
+    [(54, 90), (123, 124), (12, 13)],
 ]
 
 
@@ -106,6 +108,10 @@ def test_logits_agree_across_backends_and_graphs(
     tables = make_tables(len(LENGTHS), -(-max(LENGTHS) // PAGE), NUM_PAGES, seed=3)
     graphs = engines["graphs"]
     assert graphs.decode_graphs is not None and graphs.piecewise is not None
+    # The one-row graph's GEMMs are the Triton GEMV's (gemv_max_bs defaults to 1), the others' are not.
+    plans = graphs.decode_graphs.plans
+    assert plans[1].gemv and not any(plans[bs].gemv for bs in plans if bs > 1)
+    assert all(layer.mlp.down_proj.gemv_fits for layer in graphs.model.model.layers)
     # The reference runs torch norms and rope too; the flashinfer engines run the fused kernels.
     assert not ref.config.fused_kernels
     assert engines["flashinfer"].config.fused_kernels and graphs.config.fused_kernels
@@ -143,4 +149,4 @@ def test_logits_agree_across_backends_and_graphs(
             assert torch.equal(slots.long(), batch.groups[0].out_cache_loc.long())
         else:
             assert torch.equal(slots[: batch.batch_size].long(), batch.groups[0].out_cache_loc.long())
-    assert used == {"decode graph": 3, "piecewise": 3, "one-launch decode": 3 if served else 0}
+    assert used == {"decode graph": 4, "piecewise": 3, "one-launch decode": 4 if served else 0}
