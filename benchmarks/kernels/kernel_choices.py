@@ -13,9 +13,8 @@ Qwen3-0.6B offline at batch up to 256):
 - KV store: two `index_put`s (K then V) against flashinfer's `append_paged_kv_cache` (one kernel);
 - weight GEMMs (gemm_variants.py): cuBLAS against cuBLASLt (torch's preferred BLAS library), the other
   weight layout, flashinfer's small-M kernel and a Triton candidate, against copy bandwidth;
-- chain (layer_chain.py): a whole small-batch decode layer in a graph (Llama-3.1-8B and Qwen3-0.6B
-  shapes), with the Triton activation, flashinfer's tinygemm or tandem's Triton GEMV for some or all
-  GEMMs, and programmatic dependent launch (PDL);
+- chain (layer_chain.py): a whole small-batch decode layer in a graph (Llama-3.1-8B, Qwen3-0.6B), with
+  the Triton activation, tinygemm or the Triton GEMV for the GEMMs, and programmatic dependent launch;
 - sampling at temperature 0.6: tandem's torch path against flashinfer's fused `sampling_from_logits`,
   and the sampler from bf16 logits with flashinfer's draw against the one-pass Triton race
   (engine/sampling_race.py); the race with every other row under a structured-output mask, and over

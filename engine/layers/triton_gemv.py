@@ -1,5 +1,5 @@
-"""x W^T for a few rows in Triton, each program holding its whole slice of the weight, for small decode
-graphs of small models, where a GEMM is a few MB of weight and its time is mostly ramp and wait.
+"""x W^T for a few rows in Triton, each program holding its whole slice of the weight, for one-row decode
+graphs, where a GEMM's time is mostly ramp and wait rather than bytes.
 
 Each program owns `BLOCK_N` output features and loads their whole [BLOCK_N, K] slice of the weight into
 registers before anything else. The weight is a constant, so under programmatic dependent launch (pdl.py)
