@@ -27,13 +27,13 @@ import uvicorn
 from tandem.benchmarks.common import RESULTS, write_result
 from tandem.benchmarks.loadgen import send_request
 from tandem.benchmarks.serve_overhead import inprocess_ttft
-from tandem.deploy.admission import Admission
-from tandem.deploy.generation import GenerationService
-from tandem.deploy.http import build_http_app
-from tandem.deploy.metrics import NullMetrics
-from tandem.deploy.protocol import CompletionRequest
-from tandem.deploy.replica_backend import ReplicaBackend
-from tandem.deploy.service import OpenAIService, Response
+from tandem.deploy.generation.backend import ReplicaBackend
+from tandem.deploy.generation.service import GenerationService
+from tandem.deploy.guards.admission import Admission
+from tandem.deploy.observability.metrics import NullMetrics
+from tandem.deploy.protocol.requests import CompletionRequest
+from tandem.deploy.serving.http import build_http_app
+from tandem.deploy.serving.openai_service import OpenAIService, Response
 from tandem.replicas.chunks import GenerationChunk
 from tandem.scheduler.sampling_params import SamplingParams
 

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from tandem.deploy.app import build_app
-    from tandem.deploy.ingress_mode import ray_environment
+    from tandem.deploy.routing.ingress_mode import ray_environment
 
     for key, value in ray_environment(args.ingress).items():  # as `tandem serve` does
         os.environ.setdefault(key, value)

@@ -152,7 +152,7 @@ class Server:
 
     def __init__(self, model_dir: Path, port: int) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        command = [sys.executable, "-m", "tandem.deploy.cli", "serve", "--model", str(model_dir)]
+        command = [sys.executable, "-m", "tandem.deploy.cli.main", "serve", "--model", str(model_dir)]
         command += ["--port", str(port), "--metrics-port", str(_free_port())]
         self.url = f"http://127.0.0.1:{port}"
         self.lines: list[str] = []

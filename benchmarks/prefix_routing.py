@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setattr(args, key, value)
     # Before anything imports Ray Serve: its processes (and this driver's `build_app`) read the mode at
     # start-up.
-    from tandem.deploy.ingress_mode import ray_environment
+    from tandem.deploy.routing.ingress_mode import ray_environment
 
     os.environ.update(ray_environment(args.ingress))
     if args.drain_s is not None:

@@ -17,17 +17,17 @@ from typing import Any, cast
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from tandem.deploy.args import TINY_MODEL_NAME, AppArgs
-from tandem.deploy.auth import resolve_api_keys
-from tandem.deploy.capacity import replica_capacity
-from tandem.deploy.prefix_routing import (
+from tandem.deploy.config.args import TINY_MODEL_NAME, AppArgs
+from tandem.deploy.config.capacity import replica_capacity
+from tandem.deploy.guards.auth import resolve_api_keys
+from tandem.deploy.protocol.templates import load_chat_template
+from tandem.deploy.routing.prefix_routing import (
     autoscaling_config,
     prefix_routing_enabled,
     request_router_config,
     with_route_ingress,
 )
-from tandem.deploy.server import QUEUED_PER_RUNNING, LLMServer
-from tandem.deploy.templates import load_chat_template
+from tandem.deploy.serving.server import QUEUED_PER_RUNNING, LLMServer
 
 REPLICA_CPUS = 1.0  # the LLMServer actor itself: HTTP, tokenizing, detokenizing, the request streams
 ADMISSION_SLACK = 64  # room for requests being turned away, /health and /v1/models under full load

@@ -2,7 +2,7 @@
 
 `EngineOptions` is what the user asks for ("auto" where the device decides); `engine_config.py` resolves
 it against the device into `EngineConfig`. The scheduler's `RuntimeOptions` embeds it, and the serve
-config's `EngineArgs` (deploy/args.py) is generated from both, so adding a switch is one `option(...)`
+config's `EngineArgs` (deploy/config/args.py) is generated from both, so adding a switch is one `option(...)`
 field here. Validation lives here too, so the offline `LLM` path (no pydantic) checks the same bounds.
 """
 

@@ -1,6 +1,6 @@
 """One rank's options: the scheduler's own, declared here once, and the engine's (`EngineOptions`).
 
-Torch-free, so the serve config (deploy/args.py) can generate its schema from these classes cheaply.
+Torch-free, so the serve config (deploy/config/args.py) can generate its schema from these classes cheaply.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def running_serve_app(app_args: dict[str, Any], name: str = "tandem-e2e") -> Ite
     from ray import serve
 
     from tandem.deploy.app import build_app
-    from tandem.deploy.args import AppArgs
-    from tandem.deploy.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from tandem.deploy.config.args import AppArgs
+    from tandem.deploy.routing.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
     http_port, metrics_port = free_port(), free_port()
     # As `tandem serve` and the Helm chart do: the proxy, started by this Ray, shapes replica failures.

@@ -17,8 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tandem.deploy.cli import DEFAULT_METRICS_PORT, DEFAULT_PORT
-from tandem.deploy.processes import port_holder
+from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.cli.processes import port_holder
 
 STARTUP_TIMEOUT_S = 240.0
 

@@ -85,7 +85,7 @@ async def _stream(
 
 def test_sigterm_drains_streams_and_leaves_nothing_behind(tmp_path: Path) -> None:
     port, metrics = _free_port(), _free_port()
-    command = [sys.executable, "-m", "tandem.deploy.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "tandem.deploy.cli.main", "serve", "--port", str(port)]
     command += ["--metrics-port", str(metrics), "--drain-timeout", str(GRACE_S)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray
     stderr_path = tmp_path / "stderr.txt"

@@ -17,8 +17,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tandem.deploy.metrics import EXPORTED_PREFIX, METRIC_NAMES
-from tandem.deploy.replica_metrics import REPLICA_METRIC_NAMES
+from tandem.deploy.observability.metrics import EXPORTED_PREFIX, METRIC_NAMES
+from tandem.deploy.observability.replica_metrics import REPLICA_METRIC_NAMES
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 CHAT = [{"role": "user", "content": "Tell me about foxes."}]

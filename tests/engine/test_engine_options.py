@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tandem.deploy.args import EngineArgs
+from tandem.deploy.config.args import EngineArgs
 from tandem.engine.options import EngineOptions, user_fields
 from tandem.llm import LLM
 from tandem.scheduler.options import RuntimeOptions

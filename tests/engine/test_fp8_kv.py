@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.deploy.kv_capacity import kv_capacity_message
+from tandem.deploy.cli.kv_capacity import kv_capacity_message
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config

@@ -42,7 +42,7 @@ def test_wheel_has_every_package_and_data_file(tmp_path: Path) -> None:
         "tandem/scheduler/scheduler.py",
         "tandem/replicas/llm_replica.py",
         "tandem/cluster/placement.py",
-        "tandem/deploy/args.py",
+        "tandem/deploy/config/args.py",
     ):
         assert required in names, required
     outside = ("tandem/tests/", "tests/", "tandem/benchmarks/", "tandem/scripts/")

@@ -76,7 +76,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 The Serve config (serveConfigV2), built as a dict and emitted with toYaml so quoting is always right.
-Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
+Its args are validated by tandem.deploy.config.args.AppArgs, as for `serve run`.
 */}}
 {{- define "tandem.serveConfig" -}}
 {{- $v := .Values }}
@@ -145,7 +145,7 @@ Its args are validated by tandem.deploy.args.AppArgs, as for `serve run`.
 {{- /* Ray Serve's proxy wraps its HTTP app in tandem's middleware, which turns a replica dying mid-request
        (or no replica at all) into an OpenAI-shaped 503 or error chunk; every node runs a proxy. */}}
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
-  value: "tandem.deploy.proxy_errors:proxy_middlewares"
+  value: "tandem.deploy.routing.proxy_errors:proxy_middlewares"
 {{- $secret := include "tandem.hfTokenSecret" . }}
 {{- if $secret }}
 - name: HF_TOKEN

@@ -1,0 +1,1 @@
+"""The `tandem` command: `tandem serve` and `tandem bench`."""

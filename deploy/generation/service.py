@@ -1,0 +1,219 @@
+"""The LLMServer's request path: tokenize, check limits, run a job's choices, report metrics.
+
+Everything here happens before a request reaches a rank, so a bad input is a `JobRejected` (a 400)
+and never an engine failure. An accepted job's choices are submitted to the replica together and drained
+together through a `JobRun`; closing the run aborts on the ranks whatever is still running and frees
+its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tandem.deploy.generation.job_run import JobRun, Submitter
+from tandem.deploy.observability.metrics import MetricsSink
+from tandem.deploy.protocol.errors import unavailable
+from tandem.deploy.protocol.job_builder import choice_sampling
+from tandem.deploy.protocol.jobs import GenerateJob, JobAccepted, JobRejected
+from tandem.deploy.protocol.logprobs import TokenStrings
+from tandem.deploy.protocol.templates import forbidden_template_kwargs
+from tandem.scheduler.sampling_params import SamplingParams
+
+# Inputs up to this many characters are tokenized (and chat templates rendered) on the event loop: that
+# takes microseconds, less than a hop to a thread and back. Longer ones go to the tokenizer thread, so a
+# large prompt never stalls the other requests' streams.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+class ReplicaLike(Submitter, Protocol):
+    """The part of `LLMReplica` this path uses (a fake in unit tests)."""
+
+    tokenizer: Any
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def admission_error(self, prompt_len: int, max_tokens: int) -> str | None: ...
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError for anything a rank must never see."""
+        ...
+
+    async def check_structured(self, sampling: SamplingParams) -> str | None:
+        """Why the output constraint cannot be compiled (or not in time); None when it can."""
+        ...
+
+
+class Rejected(Exception):
+    """A job the model cannot take; becomes a `JobRejected` event."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.event = JobRejected(message, param, code)
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str
+
+
+class GenerationService:
+    """Runs `GenerateJob`s on one LLMReplica; owned by one LLMServer replica."""
+
+    def __init__(
+        self,
+        replica: ReplicaLike,
+        metrics: MetricsSink,
+        vocab_size: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._replica = replica
+        self._chat_template = chat_template  # None: the tokenizer's own
+        # One thread: requests' tokenizing runs in order off the loop, and the tokenizer, which is not
+        # documented as thread-safe, is never used by two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
+        self._metrics = metrics
+        self._tokenizer = replica.tokenizer
+        self._vocab_size = vocab_size if vocab_size is not None else len(replica.tokenizer)
+        self._token_strings = TokenStrings(replica.tokenizer)
+
+    async def start(
+        self, job: GenerateJob, on_engine_done: Callable[[], None] | None = None
+    ) -> JobRun | JobRejected:
+        """Check the job and send all its choices to the ranks; `JobRejected` if it cannot run.
+
+        Every choice reaches the ranks before the caller answers with headers, so the prefill overlaps
+        the HTTP response start. `on_engine_done` is called once every choice's last token has arrived
+        (or the run is closed first)."""
+        self._metrics.queue_time(time.time() - job.arrival_time)
+        try:
+            prompts = await self._tokenize(job)
+            choices = self._choices(job, prompts)
+            await self._check_constraints(job)
+        except Rejected as rejected:
+            return rejected.event
+        accepted = JobAccepted(prompt_tokens=[len(p) for p in prompts])
+        run = JobRun(
+            job, accepted, len(choices), self._replica, self._metrics, self._token_strings, on_engine_done
+        )
+        try:
+            for choice in choices:
+                await run.submit(choice.index, choice.prompt_ids, choice.sampling)
+        except (RuntimeError, ValueError) as exc:  # refused (draining, a rank down): a 503
+            await run.close()
+            raise unavailable(str(exc)) from None
+        except BaseException:
+            await run.close()
+            raise
+        self._metrics.prompt_tokens(sum(len(p) for p in prompts))
+        return run
+
+    # -- input -------------------------------------------------------------------------------------
+
+    async def _check_constraints(self, job: GenerateJob) -> None:
+        bad = [t for t in job.sampling.logit_bias or {} if t >= self._vocab_size]
+        if bad:
+            raise Rejected(
+                f"logit_bias keys must be token ids in [0, {self._vocab_size}), got {bad[:3]}", "logit_bias"
+            )
+        if job.sampling.structured_outputs is not None:
+            problem = await self._replica.check_structured(job.sampling)
+            if problem is not None:
+                param = job.structured_param or "response_format"
+                raise Rejected(f"{param} cannot be used: {problem}", param)
+
+    async def _tokenize(self, job: GenerateJob) -> list[list[int]]:
+        if _input_chars(job) <= INLINE_TOKENIZE_CHARS:
+            return self._prompt_ids(job)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, job)
+
+    def _prompt_ids(self, job: GenerateJob) -> list[list[int]]:
+        if job.messages is not None:
+            return [self._render_chat(job)]
+        prompts: list[list[int]] = []
+        for i, prompt in enumerate(job.prompts or []):
+            param = "prompt" if len(job.prompts or []) == 1 else f"prompt.{i}"
+            ids = self._encode(prompt, param) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise Rejected("the prompt is empty (no tokens)", param)
+            bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            if bad:
+                raise Rejected(f"token ids must lie in [0, {self._vocab_size}), got {bad[:3]}", param)
+            prompts.append(ids)
+        return prompts
+
+    def _render_chat(self, job: GenerateJob) -> list[int]:
+        extra = dict(job.chat_template_kwargs or {})
+        clash = forbidden_template_kwargs(extra)
+        if clash:  # the protocol refuses these already; a job built elsewhere must not get through
+            raise Rejected(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
+        try:
+            if job.tools:
+                extra["tools"] = job.tools
+            text = self._tokenizer.apply_chat_template(
+                job.messages,
+                chat_template=self._chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **extra,
+            )
+        except Exception as exc:  # a template raising on odd input is the client's 400, not our 500
+            raise Rejected(f"the chat template failed on these messages: {exc}", "messages") from None
+        # The template writes any BOS itself; adding special tokens again would double it.
+        ids = self._encode(str(text), "messages", add_special_tokens=False)
+        if not ids:
+            raise Rejected("the rendered chat prompt is empty", "messages")
+        return ids
+
+    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON may escape a lone surrogate ("\ud83e"): a Python str, but not Unicode text, and the
+            # tokenizer raises a TypeError on it. That is the client's 400, not our 500.
+            raise Rejected(
+                f"the text is not valid Unicode ({exc.reason} at character {exc.start})", param
+            ) from None
+        return list(self._tokenizer.encode(text, **kwargs))
+
+    def _choices(self, job: GenerateJob, prompts: list[list[int]]) -> list[_Choice]:
+        choices: list[_Choice] = []
+        for p, ids in enumerate(prompts):
+            max_tokens = job.max_tokens
+            if max_tokens is None:
+                max_tokens = self._replica.max_model_len - len(ids)
+                if max_tokens < 1:
+                    raise Rejected(
+                        f"the prompt has {len(ids)} tokens, which fills the context length of "
+                        f"{self._replica.max_model_len} tokens",
+                        "messages" if job.messages is not None else "prompt",
+                        "context_length_exceeded",
+                    )
+            reason = self._replica.admission_error(len(ids), max_tokens)
+            if reason is not None:
+                raise Rejected(reason, "max_tokens", "context_length_exceeded")
+            for i in range(job.n):
+                index = p * job.n + i
+                sampling = choice_sampling(job, index, max_tokens)
+                if i == 0:  # the replica's own checks, so it never refuses what we accepted
+                    try:
+                        self._replica.validate(ids, sampling)
+                    except ValueError as exc:
+                        raise Rejected(str(exc)) from None
+                choices.append(_Choice(index, ids, sampling, f"{job.request_id}-{index}"))
+        return choices
+
+
+def _input_chars(job: GenerateJob) -> int:
+    if job.messages is not None:
+        return sum(len(m["content"]) for m in job.messages if isinstance(m.get("content"), str))
+    return sum(len(p) if isinstance(p, str) else len(p) // 4 for p in job.prompts or [])

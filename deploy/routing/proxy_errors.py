@@ -1,0 +1,124 @@
+"""OpenAI-shaped errors for what only the Serve proxy sees: a replica that dies, or no replica at all.
+
+With one Serve hop, the proxy holds the client's connection. When the LLMServer replica dies mid-request
+the proxy ends the response without a word (a stream cut before `data: [DONE]`, or an empty 500), and
+while no replica runs it answers in plain text. This ASGI middleware, installed in the proxy through
+Ray's `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` (see `PROXY_CALLBACK_ENV`), turns those into the
+errors the OpenAI routes promise: a 503 JSON body, or a last `data: {"error": ...}` chunk then
+`data: [DONE]`. It only watches the app's own routes, and passes every other message through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import msgspec
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tandem.deploy.protocol.errors import OpenAIError
+
+# The env var Ray's proxy reads at start-up; it must be set where the Ray nodes start (see `tandem serve`,
+# the Helm chart and docs/serve-config.md), since the proxy is not part of any application.
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "tandem.deploy.routing.proxy_errors:proxy_middlewares"
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+# While no replica runs (one died and Serve is replacing it), the proxy holds requests until a new one
+# serves. A health probe must not hang that long: past this, /health answers 503 itself.
+HEALTH_DEADLINE_S = 5.0
+_encode = msgspec.json.Encoder().encode
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """The callback Ray's proxy calls (by import path) for the middlewares it wraps its ASGI app in."""
+    return [Middleware(ShapedProxyErrors)]
+
+
+def _failure(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
+class ShapedProxyErrors:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).endswith(_ROUTES):
+            await self.app(scope, receive, send)
+            return
+        started = finished = streaming = False
+        held: list[Message] = []  # a plain-text 5xx of the proxy's own, replaced by the shaped one
+        plain_text_error = False
+
+        async def relay(message: Message) -> None:
+            nonlocal started, finished, streaming, plain_text_error
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                content_type = headers.get(b"content-type", b"")
+                if message["status"] >= 500 and not content_type.startswith(b"application/json"):
+                    plain_text_error = True
+                    held.append(message)
+                    return
+                started = True
+                streaming = content_type.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body":
+                if plain_text_error:
+                    held.append(message)
+                    if not message.get("more_body", False):
+                        text = b"".join(m.get("body", b"") for m in held[1:]).decode("utf-8", "replace")
+                        await _send_json(send, _failure(f"no model server could take the request: {text}"))
+                        finished = started = True
+                    return
+                finished = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            if str(scope["path"]).endswith("/health"):
+                started = await self._health_within_deadline(scope, receive, relay, send)
+            else:
+                await self.app(scope, receive, relay)  # no task per request on the generation routes
+        finally:
+            # The proxy returned (or raised) without finishing the response: the replica failed.
+            with contextlib.suppress(Exception):  # the client may be gone too
+                if not started:
+                    await _send_json(send, _failure("the model server failed before answering"))
+                elif streaming and not finished:
+                    error = _failure("the model server replica died while serving this request")
+                    tail = b"data: " + _encode(error.body()) + b"\n\ndata: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _health_within_deadline(self, scope: Scope, receive: Receive, relay: Send, send: Send) -> bool:
+        """Run a /health request; True if it answered, or was answered here with a 503 at the deadline."""
+        answered = asyncio.Event()
+
+        async def watch(message: Message) -> None:
+            answered.set()
+            await relay(message)
+
+        call = asyncio.ensure_future(self.app(scope, receive, watch))
+        try:
+            await asyncio.wait([call], timeout=HEALTH_DEADLINE_S)
+            if call.done() or answered.is_set():
+                await call
+                return answered.is_set()
+            call.cancel()  # the proxy takes it as a client that left
+            with contextlib.suppress(BaseException):
+                await call
+            message = f"no replica answered the health check within {HEALTH_DEADLINE_S:g}s"
+            await _send_json(send, OpenAIError(503, message, type="server_error", code="unhealthy"))
+            return True
+        finally:
+            if not call.done():
+                call.cancel()
+
+
+async def _send_json(send: Send, error: OpenAIError) -> None:
+    body = _encode(error.body())
+    headers: list[Any] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

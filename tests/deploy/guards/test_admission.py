@@ -1,0 +1,161 @@
+"""In-app admission of the one-hop LLMServer (weighted by choices, in arrival order), and the proxy
+middleware for replica failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from tandem.deploy.routing import proxy_errors
+from tandem.deploy.guards.admission import Admission
+from tandem.deploy.protocol.errors import OpenAIError
+from tandem.deploy.routing.proxy_errors import ShapedProxyErrors
+
+
+def test_admission_runs_queues_then_turns_away() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission(max_running=1, max_queued=1)
+        release = asyncio.Event()
+        events: list[str] = []
+
+        async def job(name: str) -> None:
+            try:
+                async with admission.slot():
+                    events.append(f"{name} runs")
+                    await release.wait()
+            except OpenAIError as exc:
+                events.append(f"{name} {exc.status} {exc.code}")
+
+        tasks = [asyncio.create_task(job(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.waiting) == (1, 1)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert (admission.running, admission.waiting) == (0, 0)
+        return events
+
+    assert asyncio.run(scenario()) == ["a runs", "c 503 overloaded", "b runs"]
+
+
+def test_admission_weighs_choices_in_arrival_order() -> None:
+    async def scenario() -> list[str]:
+        admission = Admission(max_running=4, max_queued=2)
+        events: list[str] = []
+        gates = {name: asyncio.Event() for name in "abcd"}
+
+        async def job(name: str, weight: int) -> None:
+            try:
+                async with admission.slot(weight):
+                    events.append(f"{name} runs ({admission.running})")
+                    await gates[name].wait()
+            except OpenAIError as exc:
+                events.append(f"{name} {exc.status}")
+
+        a = asyncio.create_task(job("a", 3))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(job("b", 100))  # capped at 4: waits for the whole replica
+        await asyncio.sleep(0)
+        c = asyncio.create_task(job("c", 1))  # would fit now, but b came first
+        await asyncio.sleep(0)
+        d = asyncio.create_task(job("d", 1))  # the queue (2) is full
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.waiting) == (3, 2)
+        gates["a"].set()
+        await asyncio.sleep(0.01)
+        gates["b"].set()
+        gates["c"].set()
+        await asyncio.gather(a, b, c, d)
+        assert (admission.running, admission.waiting) == (0, 0)
+        return events
+
+    assert asyncio.run(scenario()) == ["a runs (3)", "d 503", "b runs (4)", "c runs (1)"]
+
+
+def test_a_cancelled_waiter_lets_the_next_one_in() -> None:
+    async def scenario() -> None:
+        admission = Admission(max_running=2, max_queued=-1)
+        hold = asyncio.Event()
+
+        async def job(weight: int) -> None:
+            async with admission.slot(weight):
+                await hold.wait()
+
+        first = asyncio.create_task(job(1))
+        await asyncio.sleep(0)
+        heavy = asyncio.create_task(job(2))
+        await asyncio.sleep(0)
+        light = asyncio.create_task(job(1))
+        await asyncio.sleep(0.01)
+        assert admission.running == 1 and admission.waiting == 2
+        heavy.cancel()
+        await asyncio.sleep(0.01)
+        assert admission.running == 2 and admission.waiting == 0  # light got in behind the cancelled one
+        hold.set()
+        await asyncio.gather(first, light)
+        assert admission.running == 0
+
+    asyncio.run(scenario())
+
+
+async def _call(app: Any, path: str) -> tuple[list[dict[str, Any]], bytes]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await ShapedProxyErrors(app)({"type": "http", "path": path}, receive, send)
+    return sent, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_chunk_and_done() -> None:
+    async def cut(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        # The replica died: the proxy logs the RayActorError and returns without finishing the body.
+
+    sent, body = asyncio.run(_call(cut, "/v1/completions"))
+    chunks = [line for line in body.decode().split("\n\n") if line]
+    assert chunks[-1] == "data: [DONE]"
+    assert json.loads(chunks[-2].removeprefix("data: "))["error"]["code"] == "service_unavailable"
+    assert sent[-1]["more_body"] is False
+
+
+def test_no_answer_or_a_plain_text_503_becomes_a_shaped_503() -> None:
+    async def silent(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    async def plain(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": b"No replicas", "more_body": False})
+
+    for app in (silent, plain):
+        sent, body = asyncio.run(_call(app, "/v1/chat/completions"))
+        assert sent[0]["status"] == 503
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_other_routes_pass_through_untouched() -> None:
+    async def silent(scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+    sent, _ = asyncio.run(_call(silent, "/other-app/route"))
+    assert sent == []
+
+
+def test_health_answers_503_when_no_replica_answers_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy_errors, "HEALTH_DEADLINE_S", 0.05)
+
+    async def held(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(3600)  # the proxy waiting for a replacement replica
+
+    sent, body = asyncio.run(_call(held, "/health"))
+    assert sent[0]["status"] == 503 and json.loads(body)["error"]["code"] == "unhealthy"
