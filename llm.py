@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -13,21 +12,11 @@ from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
+from tandem.replicas.request_output import RequestOutput
 from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (whole pages)
 
 
 class LLM:

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 from tandem.cluster.ray_cluster import ensure_ray
 from tandem.replicas.llm_replica import LLMReplica
+from tandem.replicas.request_output import RequestOutput
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tandem.llm import RequestOutput
 
 T = TypeVar("T")
 
@@ -40,8 +38,6 @@ class RemoteGroup:
     def generate(
         self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        from tandem.llm import RequestOutput
-
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
 
         async def one(prompt: list[int], p: SamplingParams) -> RequestOutput:
