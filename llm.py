@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from tandem.engine.config import ModelConfig
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
+from tandem.engine.moe.spec import check_expert_split
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
@@ -17,6 +20,13 @@ from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, To
 from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
+
+
+def check_expert_split_of(model_dir: Path, tp_size: int, *, expert_parallel: bool) -> None:
+    """A mixture of experts whose experts cannot be split over `tp_size` ranks is a ValueError now."""
+    spec = ModelConfig.from_dir(model_dir).moe
+    if spec is not None:
+        check_expert_split(spec, tp_size, expert_parallel=expert_parallel)
 
 
 class LLM:
@@ -62,6 +72,9 @@ class LLM:
             seed=seed,
             **engine_options,
         )
+        if tp_size > 1:  # said here, before any rank actor starts
+            ep = options.engine.enable_expert_parallel
+            check_expert_split_of(self.model_dir, tp_size, expert_parallel=ep)
         self._inbox: deque[SchedulerMsg] = deque()
         self._outputs: list[TokenOutput] = []
         self._remote: RemoteGroup | None = None

@@ -62,7 +62,9 @@ class Engine:
         # Which kernels each captured shape runs: one plan per decode graph and piecewise bucket.
         self.planner = KernelPlanner.from_config(config)
         with torch.device(config.device):
-            self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
+            self.model: CausalLM = model_class(mc.architecture)(
+                mc, tp, config.dtype, config.device, kernels, expert_parallel=config.expert_parallel
+            )
         self.kernels = kernels
         self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
         fp8 = Fp8Checkpoint.from_dir(config.model_dir)
