@@ -57,7 +57,8 @@ class LLM:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         from transformers import AutoTokenizer
 
-        self.model_dir = resolve_model_dir(model)
+        dummy = engine_options.get("load_format") == "dummy"
+        self.model_dir = resolve_model_dir(model, weights=not dummy)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._token_decoder = TokenDecoder(self.tokenizer)
         options = RuntimeOptions.of(
