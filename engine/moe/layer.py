@@ -36,7 +36,14 @@ class MoE(nn.Module):
         self.tp = b.tp
         self.shard = ExpertShard.of(spec, b.tp.rank, b.tp.size, expert_parallel=b.expert_parallel)
         self.gate = b.replicated(c.hidden_size, spec.num_experts)
-        self.experts = MoEExperts(spec, self.shard, c.hidden_size, dtype=b.dtype, device=b.device)
+        fused = None
+        if b.kernels is not None and b.kernels.triton is not None:
+            from tandem.engine.moe.fused import FusedMoE  # imports Triton: CUDA only
+
+            fused = FusedMoE(spec, self.shard, c.hidden_size)
+        self.experts = MoEExperts(
+            spec, self.shard, c.hidden_size, dtype=b.dtype, device=b.device, fused=fused
+        )
         self.shared_expert = shared_expert
         self.shared_expert_gate = b.replicated(c.hidden_size, 1) if shared_expert is not None else None
 
