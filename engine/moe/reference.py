@@ -2,7 +2,7 @@
 computes them, one expert at a time over the tokens routed to it, in float32.
 
 Not used when serving (it reads routing results back to the host); the CPU tests check the engine's torch
-path against it, the interpreter tests and the GPU tests the Triton kernels.
+path against it, the interpreter tests and the GPU tests the Triton kernels. It runs where `x` is.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ def reference_experts(
     """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t) over the chosen experts e = ids[t, j] that
     this shard holds (`w13` [E_local, 2I, H] with the gate rows first, `w2` [E_local, H, I]; experts
     [expert_start, expert_start + E_local)), in float32: [T, H]."""
-    x32, out = x.float(), torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    x32 = x.float()
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     inter = w2.shape[2]
     for e in range(w13.shape[0]):
-        token, slot = torch.nonzero(ids.cpu() == e + expert_start, as_tuple=True)
+        token, slot = torch.nonzero(ids.to(x.device) == e + expert_start, as_tuple=True)
         if token.numel() == 0:
             continue
-        h = x32.cpu()[token]
-        gate_up = F.linear(h, w13[e].float().cpu())
+        gate_up = F.linear(x32[token], w13[e].float())
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[e].float().cpu()) * weights.cpu()[token, slot, None].float()
+        y = F.linear(act, w2[e].float()) * weights.to(x.device)[token, slot, None].float()
         out.index_add_(0, token, y)
     return out
