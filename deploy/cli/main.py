@@ -13,6 +13,7 @@ BENCHMARKS = {
     "online": "Online serving load against a running server: TTFT, ITL, TPOT, goodput.",
     "decode": "Decode step latency against the memory roofline.",
     "window": "Sliding-window decode at short and long context.",
+    "moe": "Mixture of experts (Qwen3-30B-A3B shape, dummy weights): offline, decode, expert GEMMs.",
 }
 
 

@@ -44,15 +44,16 @@ class GemmBlocks:
 
 def gemm_blocks(rows_per_expert: float, *, gated: bool) -> GemmBlocks:
     """The tile for a batch whose experts see `rows_per_expert` pairs on average. Few rows (decode): the
-    GEMMs stream the weights, so 16-row blocks (the smallest tensor-core tile) and long K steps; many
-    rows (prefill): larger blocks that reuse each weight tile over more rows. The gated up GEMM holds
-    two accumulators and two weight tiles, so it takes one pipeline stage less."""
+    GEMMs stream the weights, and a block of rows large enough that an expert's pairs rarely spill into
+    a second block (which would read its weights again) with long K steps; many rows (prefill): 64-row
+    blocks that reuse each weight tile over more rows. The gated up GEMM holds two accumulators and two
+    weight tiles, so it takes half the columns and one pipeline stage less."""
     stages = 3 if gated else 4
-    if rows_per_expert <= 16:
+    if rows_per_expert <= 8:
         return GemmBlocks(16, 64, 128, 1, 4, stages)
-    if rows_per_expert <= 48:
-        return GemmBlocks(32, 64, 128, 4, 4, stages)
-    return GemmBlocks(64, 128, 64, 8, 8, 3)
+    if rows_per_expert <= 24:
+        return GemmBlocks(32, 64, 128, 1, 4, stages)
+    return GemmBlocks(64, 64 if gated else 128, 64, 8, 4 if gated else 8, 3)
 
 
 @dataclass
@@ -150,15 +151,16 @@ class FusedMoE:
             s.renormalize,
         )
 
-    def route(self, logits: torch.Tensor) -> Routing:
-        """Top-k and the grouping by expert for router `logits` [T, E] (two launches)."""
+    def route(self, logits: torch.Tensor, tiles: tuple[GemmBlocks, GemmBlocks] | None = None) -> Routing:
+        """Top-k and the grouping by expert for router `logits` [T, E] (two launches), for the GEMMs'
+        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's)."""
         tokens, k, device = logits.shape[0], self.spec.top_k, logits.device
         num_pairs, local = tokens * k, self.shard.num_local
         per_expert = num_pairs / self.spec.num_experts
-        up, down = gemm_blocks(per_expert, gated=True), gemm_blocks(per_expert, gated=False)
+        up, down = tiles or (gemm_blocks(per_expert, gated=True), gemm_blocks(per_expert, gated=False))
+        if up.bm != down.bm:
+            raise ValueError(f"the up and down GEMMs share one schedule: BM {up.bm} != {down.bm}")
         bm = up.bm
-        if down.bm != bm:
-            down = GemmBlocks(bm, down.bn, down.bk, down.group_m, down.num_warps, down.num_stages)
         blocks = triton.cdiv(tokens, self.route_block)
         ids = torch.empty(tokens, k, dtype=torch.int32, device=device)
         weights = torch.empty(tokens, k, dtype=torch.float32, device=device)

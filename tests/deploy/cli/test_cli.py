@@ -74,7 +74,7 @@ def test_bare_args_file(tmp_path: Path) -> None:
         plan_from_cli(_serve("--config", str(path)))
 
 
-@pytest.mark.parametrize("kind", ["offline", "online", "decode", "window"])
+@pytest.mark.parametrize("kind", ["offline", "online", "decode", "window", "moe"])
 def test_bench_subcommands_reach_the_benchmark(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", kind, "--help"])
