@@ -28,6 +28,16 @@ from tandem.engine.moe.triton_small import down_kernel, up_kernel
 # an expert, so grouping saves no weight reads and costs three launches.
 SMALL_MAX_TOKENS = 2
 ONEHOT_ELEMENTS = 8192  # route_kernel's [BT * k, experts] one-hot per program
+# Weight elements a small-path program loads per step: its slice of an expert's gate (and as much of its
+# up) rows, or of its down rows for one expert of the k; the whole reduction in one step up to 2,048.
+SMALL_UP_SLICE, SMALL_DOWN_SLICE = 4096, 4096
+
+
+def small_blocks(reduction: int, slice_elements: int) -> tuple[int, int]:
+    """(BK, BN) of a small-path kernel: the reduction in blocks of up to 2,048, and as many output
+    features a program as keep its slice within `slice_elements` (1 to 16)."""
+    bk = min(2048, triton.next_power_of_2(reduction))
+    return bk, max(1, min(16, slice_elements // bk))
 
 
 @dataclass(frozen=True)
@@ -109,13 +119,14 @@ class FusedMoE:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         act = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
         route = self._route_args()
-        bk_up = min(512, triton.next_power_of_2(hidden))
-        up: Any = up_kernel[(tokens * k, triton.cdiv(inter, 8))]
-        up(x, logits, w13, act, hidden, inter, x.stride(0), logits.stride(0), w13.stride(0),
-           *route, BN=8, BK=bk_up, num_warps=4)  # fmt: skip
+        up_k, up_n = small_blocks(hidden, SMALL_UP_SLICE)
+        up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
+        up(x, logits, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
+           HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, num_warps=4)  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
-        down: Any = down_kernel[(tokens, triton.cdiv(hidden, 8))]
+        down_k, down_n = small_blocks(inter, SMALL_DOWN_SLICE)
+        down: Any = down_kernel[(tokens, triton.cdiv(hidden, down_n))]
         down(
             act,
             logits,
@@ -123,16 +134,16 @@ class FusedMoE:
             out,
             shared if has_shared else out,  # placeholders without a shared expert: never read
             shared_gate if has_shared else out,
-            hidden,
-            inter,
             logits.stride(0),
             w2.stride(0),
             out.stride(0),
             shared.stride(0) if shared is not None and has_shared else 0,
             shared_gate.stride(0) if shared_gate is not None and has_shared else 0,
             *route,
-            BN=8,
-            BK=min(512, triton.next_power_of_2(inter)),
+            HIDDEN=hidden,
+            INTER=inter,
+            BN=down_n,
+            BK=down_k,
             SHARED=has_shared,
             num_warps=4,
         )

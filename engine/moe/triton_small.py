@@ -24,8 +24,6 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     logits_ptr,
     w13_ptr,
     act_ptr,
-    hidden,
-    inter,
     stride_x,
     stride_logits,
     stride_we,
@@ -36,6 +34,8 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     TOPK: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -49,21 +49,23 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     if (expert < 0) | (expert >= num_local):
         return
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_mask = cols < inter
-    gate_rows = w13_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * hidden
+    col_mask = cols < INTER
+    gate_rows = w13_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * HIDDEN
     acc_gate = tl.zeros([BN], dtype=tl.float32)
     acc_up = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, hidden, BK):
+    # Unrolled (one step where the hidden size fits a block), so the weight loads are not held back by
+    # a loop: the program streams its whole slice at once.
+    for k0 in tl.static_range(0, HIDDEN, BK):
         ks = k0 + tl.arange(0, BK)
-        k_mask = ks < hidden
+        k_mask = ks < HIDDEN
         x = tl.load(x_ptr + token.to(tl.int64) * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
         m = col_mask[:, None] & k_mask[None, :]
         gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gate_rows + inter * hidden + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
         acc_gate += tl.sum(gate * x[None, :], axis=1)
         acc_up += tl.sum(up * x[None, :], axis=1)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    tl.store(act_ptr + pair.to(tl.int64) * inter + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(act_ptr + pair.to(tl.int64) * INTER + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -74,8 +76,6 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     out_ptr,
     shared_ptr,
     shared_gate_ptr,
-    hidden,
-    inter,
     stride_logits,
     stride_we,
     stride_out,
@@ -88,6 +88,8 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     TOPK: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     SHARED: tl.constexpr,
@@ -99,19 +101,20 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
     slots = tl.arange(0, K_PAD)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    col_mask = cols < hidden
+    col_mask = cols < HIDDEN
     acc = tl.zeros([BN], dtype=tl.float32)
+    # All unrolled: the k experts' weight loads are independent and may all be in flight at once.
     for j in tl.static_range(TOPK):
         expert = tl.sum(tl.where(slots[None, :] == j, ids, 0)) - expert_start
         weight = tl.sum(tl.where(slots[None, :] == j, weights, 0.0))
         mine = (expert >= 0) & (expert < num_local)
         # Another rank's expert reads nothing: its reduction length is 0.
-        length = tl.where(mine, inter, 0)
-        rows_of = cols[:, None].to(tl.int64) * inter
+        length = tl.where(mine, INTER, 0)
+        rows_of = cols[:, None].to(tl.int64) * INTER
         base = w2_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_we + rows_of
-        act_row = act_ptr + (token * TOPK + j).to(tl.int64) * inter
+        act_row = act_ptr + (token * TOPK + j).to(tl.int64) * INTER
         part = tl.zeros([BN], dtype=tl.float32)
-        for k0 in range(0, inter, BK):
+        for k0 in tl.static_range(0, INTER, BK):
             ks = k0 + tl.arange(0, BK)
             k_mask = ks < length
             a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32)
