@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from tandem.engine.config import ModelConfig
+from tandem.engine.config import check_expert_split_of
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
-from tandem.engine.moe.spec import check_expert_split
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
@@ -20,13 +18,6 @@ from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, To
 from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
-
-
-def check_expert_split_of(model_dir: Path, tp_size: int, *, expert_parallel: bool) -> None:
-    """A mixture of experts whose experts cannot be split over `tp_size` ranks is a ValueError now."""
-    spec = ModelConfig.from_dir(model_dir).moe
-    if spec is not None:
-        check_expert_split(spec, tp_size, expert_parallel=expert_parallel)
 
 
 class LLM:

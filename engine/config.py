@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.moe.spec import MoESpec
+from tandem.engine.moe.spec import MoESpec, check_expert_split
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -127,6 +127,14 @@ class ModelConfig:
             moe=MoESpec.from_raw(raw, num_layers),
             raw=raw,
         )
+
+
+def check_expert_split_of(model_dir: str | Path, tp_size: int, *, expert_parallel: bool) -> None:
+    """Raise ValueError now, before any rank starts, if the model's experts cannot be split over
+    `tp_size` ranks (a dense model always can)."""
+    spec = ModelConfig.from_dir(model_dir).moe
+    if spec is not None:
+        check_expert_split(spec, tp_size, expert_parallel=expert_parallel)
 
 
 def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:

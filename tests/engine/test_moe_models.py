@@ -178,3 +178,9 @@ def test_experts_that_do_not_divide_over_the_ranks_fail_before_any_rank_starts(
         LLM(str(model_dir), device="cpu", tp_size=3, enable_expert_parallel=True)
     with pytest.raises(ValueError, match=r"intermediate size \(32\) does not divide by tp_size \(3\)"):
         LLM(str(model_dir), device="cpu", tp_size=3)
+    # A served replica says so too, before it asks Ray for its rank actors.
+    from tandem.replicas.llm_replica import LLMReplica
+
+    replica = LLMReplica(str(model_dir), tp_size=3, device="cpu", engine={"enable_expert_parallel": True})
+    with pytest.raises(ValueError, match=r"num_experts \(8\) to divide by tp_size \(3\)"):
+        replica._start_blocking()
