@@ -57,7 +57,7 @@ def gemm_blocks(rows_per_expert: float, *, gated: bool) -> GemmBlocks:
     GEMMs stream the weights, and a block of rows large enough that an expert's pairs rarely spill into
     a second block (which would read its weights again) with long K steps; many rows (prefill): 64-row
     blocks that reuse each weight tile over more rows. The gated up GEMM holds two accumulators and two
-    weight tiles, so it takes half the columns and one pipeline stage less."""
+    weight tiles, so it always takes one pipeline stage less, and at 64 rows half the columns."""
     stages = 3 if gated else 4
     if rows_per_expert <= 8:
         return GemmBlocks(16, 64, 128, 1, 4, stages)
@@ -69,7 +69,7 @@ def gemm_blocks(rows_per_expert: float, *, gated: bool) -> GemmBlocks:
 @dataclass
 class Routing:
     """The grouped path's schedule for one batch: every pair's expert and weight, and the pairs laid out
-    by expert in blocks of `blocks.bm` rows (the padding slots hold the sentinel `num_pairs`)."""
+    by expert in blocks of `up.bm` rows (the padding slots hold the sentinel `num_pairs`)."""
 
     ids: torch.Tensor  # int32 [T, k], global expert ids
     weights: torch.Tensor  # float32 [T, k]
