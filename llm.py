@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tandem.engine.config import check_expert_split_of
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
@@ -47,7 +48,8 @@ class LLM:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         from transformers import AutoTokenizer
 
-        self.model_dir = resolve_model_dir(model)
+        dummy = engine_options.get("load_format") == "dummy"
+        self.model_dir = resolve_model_dir(model, weights=not dummy)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._token_decoder = TokenDecoder(self.tokenizer)
         options = RuntimeOptions.of(
@@ -62,6 +64,9 @@ class LLM:
             seed=seed,
             **engine_options,
         )
+        if tp_size > 1:  # said here, before any rank actor starts
+            ep = options.engine.enable_expert_parallel
+            check_expert_split_of(self.model_dir, tp_size, expert_parallel=ep)
         self._inbox: deque[SchedulerMsg] = deque()
         self._outputs: list[TokenOutput] = []
         self._remote: RemoteGroup | None = None

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.moe.spec import MoESpec, check_expert_split
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -51,6 +53,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoESpec | None = None  # routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE); None for dense models
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -114,15 +117,32 @@ class ModelConfig:
             rope=rope_full,
             rope_local=rope_local,
             sliding_window=int(window) if window is not None and SLIDING in layer_types else None,
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "gemma3"),
+            attention_bias=_attention_bias(raw, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             attn_softcap=_opt_float(raw.get("attn_logit_softcapping")),
             final_softcap=_opt_float(raw.get("final_logit_softcapping")),
             query_pre_attn_scalar=_opt_float(raw.get("query_pre_attn_scalar")) if is_gemma else None,
             hidden_act=str(act),
             eos_token_ids=tuple(dict.fromkeys(eos)),
+            moe=MoESpec.from_raw(raw, num_layers),
             raw=raw,
         )
+
+
+def check_expert_split_of(model_dir: str | Path, tp_size: int, *, expert_parallel: bool) -> None:
+    """Raise ValueError now, before any rank starts, if the model's experts cannot be split over
+    `tp_size` ranks (a dense model always can)."""
+    spec = ModelConfig.from_dir(model_dir).moe
+    if spec is not None:
+        check_expert_split(spec, tp_size, expert_parallel=expert_parallel)
+
+
+def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
+    """q/k/v biases: `attention_bias`, or Qwen2-MoE's `qkv_bias`; Qwen2 and Qwen2-MoE have them by default."""
+    for key in ("attention_bias", "qkv_bias"):
+        if raw.get(key) is not None:
+            return bool(raw[key])
+    return model_type in ("qwen2", "qwen2_moe")
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

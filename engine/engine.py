@@ -13,6 +13,7 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
+from tandem.engine.dummy_weights import init_dummy_weights
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kernel_plan import EAGER, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
@@ -25,7 +26,7 @@ from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import StreamSet
-from tandem.engine.weights import load_weights
+from tandem.engine.weights import LoadReport, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,17 @@ class Engine:
         # Which kernels each captured shape runs: one plan per decode graph and piecewise bucket.
         self.planner = KernelPlanner.from_config(config)
         with torch.device(config.device):
-            self.model: CausalLM = model_class(mc.architecture)(mc, tp, config.dtype, config.device, kernels)
+            self.model: CausalLM = model_class(mc.architecture)(
+                mc, tp, config.dtype, config.device, kernels, expert_parallel=config.expert_parallel
+            )
         self.kernels = kernels
         self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
         fp8 = Fp8Checkpoint.from_dir(config.model_dir)
-        report = load_weights(self.model, config.model_dir, progress, fp8)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+            fp8, report = None, LoadReport()  # nothing was read: an FP8 checkpoint's layers are not known
+        else:
+            report = load_weights(self.model, config.model_dir, progress, fp8)
         self.kv_dtype = config.kv_cache_dtype or config.dtype
         if fp8 is not None or config.quantization == "fp8":
             # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.

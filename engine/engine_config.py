@@ -94,6 +94,8 @@ class EngineConfig:
     fp8_gemm: str | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     max_batch_size: int = 256
+    expert_parallel: bool = False  # MoE layers hold whole experts per rank (EngineOptions)
+    load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights drawn on the device
 
     def switches(self) -> dict[str, object]:
         """The engine's ablation switches as plain values, for benchmark result files."""
@@ -115,6 +117,8 @@ class EngineConfig:
             if self.kv_cache_dtype is None
             else str(self.kv_cache_dtype).removeprefix("torch."),
             "page_size": self.page_size,
+            "expert_parallel": self.expert_parallel,
+            "load_format": self.load_format,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
         }
@@ -250,4 +254,6 @@ def resolve_engine_config(
         quantization=quantization,
         fp8_gemm=_fp8_gemm(quantization, facts),
         kv_cache_dtype=kv_dtype,
+        expert_parallel=opts.enable_expert_parallel,
+        load_format=opts.load_format,
     )

@@ -115,6 +115,18 @@ class EngineOptions:
         "KV-cache element type: 'auto' is the model dtype; 'fp8_e4m3' halves the cache's bytes, so the "
         "pool holds twice the tokens (flashinfer on GPU; per-layer scales from the checkpoint, else 1.0).",
     )
+    enable_expert_parallel: bool = option(
+        False,
+        "Mixture-of-experts models: each of the tp_size ranks holds num_experts / tp_size whole experts "
+        "(num_experts must divide by tp_size) instead of a 1/tp_size slice of every expert; attention "
+        "stays tensor-parallel. No effect on dense models.",
+    )
+    load_format: Literal["auto", "dummy"] = option(
+        "auto",
+        "'auto' reads the safetensors checkpoint; 'dummy' builds the model from config.json alone with "
+        "random weights drawn on the device, reading no weights (benchmarks of shapes no disk holds). "
+        "The tokenizer still comes from the model directory.",
+    )
     # GPU ablation switches (docs/tuning.md); the defaults are what runs in production.
     attention_backend: Literal["auto", "flashinfer", "torch"] = option(
         "auto", "Attention kernels: flashinfer on CUDA ('auto'), or the torch reference."

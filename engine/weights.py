@@ -61,11 +61,12 @@ def load_weights(
 ) -> LoadReport:
     """Fill every parameter of `model`; a missing or mis-shaped tensor raises, naming it. FP8 weights
     of `fp8` checkpoints are read dequantized to float32 and stored in the parameter's dtype."""
-    loaders = model.loaders()
     loaded: set[str] = set()
     report = LoadReport()
     files = safetensors_files(model_dir)
     with open_sources(files) as sources:
+        ours = {name: model.checkpoint_name(name) for name in sources}
+        loaders = model.loaders(set(ours.values()))
         for i, (name, plain) in enumerate(sources.items()):
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -76,12 +77,12 @@ def load_weights(
                 continue
             if fp8 is not None and name.endswith(SCALE_SUFFIXES):
                 continue  # read with its weight
-            if name not in loaders:
+            if ours[name] not in loaders:
                 raise ValueError(
                     f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "
                     "is config.json the right one for these weights?"
                 )
-            module, shard_id, is_bias = loaders[name]
+            module, shard_id, is_bias = loaders[ours[name]]
             source: TensorSource = plain
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:
@@ -93,7 +94,7 @@ def load_weights(
                 if not any(m is module for m in report.fp8_modules):
                     report.fp8_modules.append(module)
             module.load(source, shard_id, is_bias=is_bias)
-            loaded.add(name)
+            loaded.add(ours[name])
             if progress is not None:
                 progress(i + 1, len(loaders))
     missing = [n for n in loaders if n not in loaded]

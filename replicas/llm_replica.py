@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.cluster import placement
 from tandem.cluster.rendezvous import node_ip
+from tandem.engine.config import check_expert_split_of
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.channel import ReplicaChannel
 from tandem.replicas.chunks import GenerationChunk
@@ -116,7 +117,10 @@ class LLMReplica:
 
         from tandem.engine.tiny import default_model_dir
 
-        model_dir = resolve_model_dir(self.model) if self.model else default_model_dir()
+        weights = self.options.engine.load_format != "dummy"  # dummy: config and tokenizer only
+        model_dir = resolve_model_dir(self.model, weights=weights) if self.model else default_model_dir()
+        ep = self.options.engine.enable_expert_parallel
+        check_expert_split_of(model_dir, self.tp_size, expert_parallel=ep)  # before any rank starts
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._decoder = TokenDecoder(self.tokenizer)
         use_gpu = self._uses_gpu()

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "online": "Online serving load against a running server: TTFT, ITL, TPOT, goodput.",
     "decode": "Decode step latency against the memory roofline.",
     "window": "Sliding-window decode at short and long context.",
+    "moe": "Mixture of experts (Qwen3-30B-A3B shape, dummy weights): offline, decode, expert GEMMs.",
 }
 
 
@@ -61,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
         "before they end with an error (default 30); new requests get 503 meanwhile.",
+    )
+    serve.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="Mixture-of-experts models: each rank holds num_experts / --tp whole experts instead of a "
+        "slice of every expert (engine.enable_expert_parallel).",
+    )
+    serve.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=None,
+        help="'dummy': random weights from config.json alone, no checkpoint read, for benchmarks "
+        "(engine.load_format; default auto).",
     )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(

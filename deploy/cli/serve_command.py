@@ -57,6 +57,13 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     overrides["api_key"] = getattr(args, "api_key", None)
     overrides["chat_template"] = getattr(args, "chat_template", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
+    engine = {
+        "enable_expert_parallel": getattr(args, "enable_expert_parallel", None),
+        "load_format": getattr(args, "load_format", None),
+    }
+    engine = {k: v for k, v in engine.items() if v is not None}
+    if engine:  # flags override the config's engine block, field by field
+        app_args["engine"] = {**(app_args.get("engine") or {}), **engine}
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),
         name=args.name or name or DEFAULT_APP_NAME,

@@ -148,7 +148,10 @@ class RowParallelLinear(nn.Module):
         check_shape(source, (self.out_features, self.in_features), "a row-parallel layer")
         self.weight.data.copy_(source.read(1, self.in_start, self.in_size))
 
-    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER, *, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False` leaves this rank's partial sum, for a caller that adds more to it before the one
+        all-reduce (an MoE layer's shared expert)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = small_matmul(self, x, bias, plan)
-        return self.tp.all_reduce(out if out is not None else self.matmul(x, self.weight, bias))
+        out = out if out is not None else self.matmul(x, self.weight, bias)
+        return self.tp.all_reduce(out) if reduce else out

@@ -13,6 +13,9 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 

@@ -5,6 +5,8 @@ module is given, in context.py."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from typing import Protocol, cast
 
 import torch
@@ -23,6 +25,7 @@ from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.source import TensorSource
 from tandem.engine.models.attention import Attention
 from tandem.engine.models.context import Build, ForwardContext, Traits
+from tandem.engine.moe.layer import MoE
 
 Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # residual, q, k, v
 
@@ -32,22 +35,36 @@ class Loadable(Protocol):
 
 
 class MLP(nn.Module):
-    def __init__(self, b: Build) -> None:
+    """The gated MLP; `intermediate_size` other than the config's for an MoE layer's shared expert."""
+
+    def __init__(self, b: Build, intermediate_size: int | None = None) -> None:
         super().__init__()
         c = b.config
-        shard = even_shard(c.intermediate_size, b.tp)
+        size = c.intermediate_size if intermediate_size is None else intermediate_size
+        shard = even_shard(size, b.tp)
         self.gate_up_proj = b.column(c.hidden_size, [shard, shard], bias=False)
-        self.down_proj = b.row(c.intermediate_size, c.hidden_size)
+        self.down_proj = b.row(size, c.hidden_size)
         self.gelu = c.hidden_act.startswith("gelu")
         self.kernels = b.kernels
 
-    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER, *, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: this rank's partial sum, left for the caller's all-reduce."""
         merged = self.gate_up_proj(x, plan)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.act_and_mul(merged, gelu=self.gelu, plan=plan), plan)  # type: ignore[no-any-return]
-        gate, up = merged.chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up, plan)  # type: ignore[no-any-return]
+            act = self.kernels.act_and_mul(merged, gelu=self.gelu, plan=plan)
+        else:
+            gate, up = merged.chunk(2, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
+        return self.down_proj(act, plan, reduce=reduce)  # type: ignore[no-any-return]
+
+
+def feed_forward(b: Build, layer_id: int) -> nn.Module:
+    """The layer's MLP: the MoE block where the model's experts are (moe/layer.py), else a dense MLP."""
+    spec = b.config.moe
+    if spec is None or not spec.is_sparse(layer_id):
+        return MLP(b)
+    shared = MLP(b, spec.shared_expert_intermediate_size) if spec.shared_expert_intermediate_size else None
+    return MoE(b, spec, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -55,7 +72,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         size = b.config.hidden_size
         self.self_attn = Attention(b, layer_id)
-        self.mlp = MLP(b)
+        self.mlp = feed_forward(b, layer_id)
         self.input_layernorm = b.norm(size)
         self.post_attention_layernorm = b.norm(size)
         self.sandwich = b.traits.sandwich_norms
@@ -147,6 +164,9 @@ class CausalLM(nn.Module):
     """A decoder-only LM. Subclasses set `traits`; everything else comes from the config."""
 
     traits = Traits()
+    # (pattern, replacement) rewrites of checkpoint tensor names into this model's, applied in order
+    # (Mixtral's hub names, say); names that no pattern matches are taken as they are.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(
         self,
@@ -155,10 +175,12 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         kernels: FusedKernels | None = None,
+        *,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
-        b = Build(config, self.traits, tp, dtype, device, kernels)
+        b = Build(config, self.traits, tp, dtype, device, kernels, expert_parallel=expert_parallel)
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
         # What compute_logits returns: the LM head's own dtype, so the sampler's one-pass race reads it
@@ -178,8 +200,15 @@ class CausalLM(nn.Module):
             self.model.layer(i).self_attn.warm_up_store(pool)
 
     def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]:
-        """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections)."""
-        return [m for m in self.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+        """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections), but not MoE
+        routers and shared-expert gates: their logits pick the experts, so they keep the model's dtype."""
+        routers = {id(m.gate) for m in self.modules() if isinstance(m, MoE)}
+        routers |= {id(m.shared_expert_gate) for m in self.modules() if isinstance(m, MoE)}
+        return [
+            m
+            for m in self.modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear) and id(m) not in routers
+        ]
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]
@@ -200,10 +229,22 @@ class CausalLM(nn.Module):
             return logits  # type: ignore[no-any-return]
         return out[:, : logits.shape[1]].copy_(logits)
 
-    def loaders(self) -> dict[str, tuple[Loadable, int, bool]]:
-        """Checkpoint tensor name -> (module that loads it, shard id, is_bias)."""
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this model's terms (`checkpoint_renames`)."""
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    def loaders(self, available: Collection[str] = ()) -> dict[str, tuple[Loadable, int, bool]]:
+        """Checkpoint tensor name -> (module that loads it, shard id, is_bias). `available`, the
+        checkpoint's names (after `checkpoint_name`), picks the layout where a module reads more than one
+        (MoE experts: fused or per expert)."""
         table: dict[str, tuple[Loadable, int, bool]] = {}
         for name, module in self.named_modules():
+            entries = getattr(module, "checkpoint_entries", None)
+            if entries is not None:
+                table.update(entries(name, available))
+                continue
             if not hasattr(module, "load") or (name == "lm_head" and self.config.tie_word_embeddings):
                 continue
             parent, _, leaf = name.rpartition(".")

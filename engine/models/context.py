@@ -49,14 +49,23 @@ class Build:
         dtype: torch.dtype,
         device: torch.device,
         kernels: FusedKernels | None = None,
+        *,
+        expert_parallel: bool = False,
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
+        # MoE layers: whole experts per rank instead of a slice of every expert (moe/spec.py ExpertShard).
+        self.expert_parallel = expert_parallel
 
     def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(
             in_features, shards, bias=bias, dtype=self.dtype, device=self.device, kernels=self.kernels
         )
+
+    def replicated(self, in_features: int, out_features: int) -> ColumnParallelLinear:
+        """A linear layer every rank holds whole (an MoE router, a shared expert's gate): a column-parallel
+        layer of one unsplit output, so it takes the same small-GEMM kernels."""
+        return self.column(in_features, [OutputShard(out_features, 0, out_features)], bias=False)
 
     def row(self, in_features: int, out_features: int) -> RowParallelLinear:
         """Without a bias: no model here has one on its o or down projection."""

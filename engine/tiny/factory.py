@@ -20,16 +20,30 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from .tokenizer import EOS_TOKEN, IM_END_TOKEN, MODEL_MAX_LENGTH, load_tiny_tokenizer, special_token_ids
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+FAMILIES: tuple[str, ...] = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
@@ -38,6 +52,9 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "gemma2": Gemma2Config,
     "gemma3": Gemma3TextConfig,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 # Gemma's RMSNorm multiplies by (1 + weight); everyone else multiplies by weight.
@@ -90,6 +107,29 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 16,
         "tie_word_embeddings": True,
         # rope: the config class's defaults (sliding 10000, full 1e6).
+    },
+    # Eight experts each, so a short decode batch leaves most of them without a token. Mixtral's experts
+    # take `intermediate_size`; the Qwen families' dense layers (`mlp_only_layers`) do, their experts
+    # `moe_intermediate_size`. Qwen3-MoE's top 3 is not a power of two, on purpose.
+    "mixtral": {"rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "rope_theta": 1000000.0,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "rope_theta": 1000000.0,
+        "num_experts": 8,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [2],
+        "tie_word_embeddings": True,
     },
 }
 

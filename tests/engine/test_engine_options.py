@@ -80,6 +80,7 @@ def test_a_config_reaches_the_runtime_options_unchanged() -> None:
         {"attention_backend": "triton"},
         {"seed": -1},
         {"num_pages": 0},
+        {"load_format": "pt"},
     ],
 )
 def test_both_edges_reject_the_same_values(bad: dict[str, Any]) -> None:

@@ -24,6 +24,9 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 EOT, IM_START, IM_END = 509, 510, 511
 

@@ -56,7 +56,51 @@ LLAMA_SHAPE: dict[str, Any] = {  # Llama-3.1-8B's head layout (GQA 4, no q/k nor
     "num_key_value_heads": 8,
     "head_dim": 128,
 }
-SHAPES = {"qwen3": QWEN3_SHAPE, "gemma3": GEMMA3_SHAPE, "gemma2": GEMMA2_SHAPE, "llama": LLAMA_SHAPE}
+# Mixtures of experts with flashinfer's head size, so the graphs and fused kernels run: Qwen3-MoE's head
+# layout and top 8 of 64 experts; Qwen2-MoE's shared expert with a dense layer 1; Mixtral's top 2 of 8.
+QWEN3_MOE_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "mlp_only_layers": [],
+}
+QWEN2_MOE_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 1024,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+MIXTRAL_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+}
+SHAPES = {
+    "qwen3": QWEN3_SHAPE,
+    "gemma3": GEMMA3_SHAPE,
+    "gemma2": GEMMA2_SHAPE,
+    "llama": LLAMA_SHAPE,
+    "qwen3_moe": QWEN3_MOE_SHAPE,
+    "qwen2_moe": QWEN2_MOE_SHAPE,
+    "mixtral": MIXTRAL_SHAPE,
+}
 NEAR_TIE = 0.15  # nats
 
 

@@ -74,7 +74,7 @@ def test_bare_args_file(tmp_path: Path) -> None:
         plan_from_cli(_serve("--config", str(path)))
 
 
-@pytest.mark.parametrize("kind", ["offline", "online", "decode", "window"])
+@pytest.mark.parametrize("kind", ["offline", "online", "decode", "window", "moe"])
 def test_bench_subcommands_reach_the_benchmark(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", kind, "--help"])
@@ -174,3 +174,17 @@ def test_processes_naming_the_servers_directory_are_stopped(tmp_path: Any) -> No
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_engine_flags_override_the_config_engine_block(tmp_path: Path) -> None:
+    path = tmp_path / "args.yaml"
+    path.write_text(yaml.safe_dump({"model": "m", "tp_size": 2, "engine": {"page_size": 16}}))
+    plan = plan_from_cli(_serve("--config", str(path), "--enable-expert-parallel", "--load-format", "dummy"))
+    engine = plan.app_args.engine
+    assert (engine.enable_expert_parallel, engine.load_format, engine.page_size) == (True, "dummy", 16)
+    assert engine.to_llm_kwargs() == {"page_size": 16, "enable_expert_parallel": True, "load_format": "dummy"}
+    plain = plan_from_cli(_serve("--config", str(path))).app_args.engine
+    assert (plain.enable_expert_parallel, plain.load_format) == (False, "auto")
+    assert "enable_expert_parallel" not in plain.to_llm_kwargs()  # unset flags leave the config alone
+    with pytest.raises(SystemExit):
+        _serve("--load-format", "pt")

@@ -1,0 +1,34 @@
+"""`load_format="dummy"`: a model's weights drawn at random on its device, from its `config.json` alone,
+with no checkpoint read (vLLM's option of that name). For benchmarks of shapes whose checkpoint no host
+disk holds (the 60 GB Qwen3-30B-A3B), and for tests that need a model without its weights.
+
+The values make a well-scaled network rather than a trained one: matrices ~ N(0, 1/fan_in), embeddings and
+the LM head ~ N(0, 0.02^2), norms at their neutral scale (1, or 0 where Gemma stores w - 1), biases zero.
+Each parameter draws from its own generator, seeded from its name, so every rank of a TP group draws the
+same values for the parameters they all hold whole (norms, MoE routers): they route every token alike.
+A split parameter's shards hold the same draw on every rank, which is as random as any other.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from tandem.engine.models.common import CausalLM
+
+EMBED_STD = 0.02
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Fill every parameter of `model` in place, on the device it lives on."""
+    gemma = model.traits.gemma_norm
+    for name, param in model.named_parameters():
+        if param.ndim == 1:
+            neutral = 0.0 if name.endswith("bias") or gemma else 1.0
+            param.fill_(neutral)
+            continue
+        std = EMBED_STD if "embed" in name or "lm_head" in name else param.shape[-1] ** -0.5
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        param.normal_(0.0, std, generator=gen)

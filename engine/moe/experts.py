@@ -1,0 +1,140 @@
+"""One layer's routed experts, stacked into the layout the kernels read, and loaded from either
+checkpoint layout.
+
+`w13` [E_local, 2 I_local, H] holds each expert's gate rows, then its up rows; `w2` [E_local, H, I_local]
+its down projection. That is transformers' fused `experts.gate_up_proj` / `experts.down_proj` layout
+(written by `save_pretrained(save_original_format=False)`), so those load as slices; the hub's
+per-expert `experts.N.{gate,up,down}_proj.weight` tensors (what `save_pretrained` writes by default, and
+what Mixtral, Qwen1.5-MoE and Qwen3-MoE checkpoints hold) are stacked into it at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.layers.source import TensorSource, check_shape
+from tandem.engine.moe.routing import select_experts
+from tandem.engine.moe.spec import ExpertShard, MoESpec
+
+# Shard ids of the fused layout's two tensors; per-expert tensors use 3 * expert + kind.
+FUSED_GATE_UP, FUSED_DOWN = -1, -2
+_KINDS = ("gate_proj", "up_proj", "down_proj")
+
+# (module, shard id, is_bias), as CausalLM.loaders() lists them.
+Entry = tuple[Any, int, bool]
+
+
+class MoEExperts(nn.Module):
+    """The experts this rank holds (`ExpertShard`), and their forward: each token's top-k experts, weighted,
+    summed. The output is this rank's partial sum; the MoE layer all-reduces it once.
+
+    On CUDA with Triton (`kernels` given), one fused path with no host synchronization (fused.py);
+    otherwise a torch path that is also free of host synchronization (so CUDA graphs can capture it),
+    at the price of running every local expert over every token."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        shard: ExpertShard,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        fused: Any = None,
+    ) -> None:
+        super().__init__()
+        self.spec, self.shard, self.hidden_size = spec, shard, hidden_size
+        e, i = shard.num_local, shard.inter_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
+        self.fused = fused  # fused.FusedMoE, or None for the torch path
+
+    # ---- loading -------------------------------------------------------------------------------------
+    def checkpoint_entries(self, prefix: str, available: Collection[str]) -> dict[str, Entry]:
+        """The checkpoint names this module loads, in the layout the checkpoint has (`available` are its
+        names): the fused pair where it has them, else every expert's three tensors. Experts of other
+        ranks are listed too, so loading accepts them; `load` skips them without reading."""
+        if f"{prefix}.gate_up_proj" in available:
+            return {
+                f"{prefix}.gate_up_proj": (self, FUSED_GATE_UP, False),
+                f"{prefix}.down_proj": (self, FUSED_DOWN, False),
+            }
+        return {
+            f"{prefix}.{e}.{kind}.weight": (self, 3 * e + k, False)
+            for e in range(self.spec.num_experts)
+            for k, kind in enumerate(_KINDS)
+        }
+
+    def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        s, full, hidden = self.shard, self.spec.expert_intermediate_size, self.hidden_size
+        lo, size, experts = s.inter_start, s.inter_size, self.spec.num_experts
+        if shard_id == FUSED_GATE_UP:
+            what = "the experts' fused gate/up projection"
+            block = _experts_of(source, s, (experts, 2 * full, hidden), what)
+            self.w13.data[:, :size].copy_(block[:, lo : lo + size])
+            self.w13.data[:, size:].copy_(block[:, full + lo : full + lo + size])
+            return
+        if shard_id == FUSED_DOWN:
+            block = _experts_of(source, s, (experts, hidden, full), "the experts' fused down projection")
+            self.w2.data.copy_(block[:, :, lo : lo + size])
+            return
+        expert, kind = divmod(shard_id, 3)
+        if not s.is_local(expert):
+            return  # another rank's expert (expert parallelism)
+        local = expert - s.expert_start
+        if kind == 2:
+            check_shape(source, (hidden, full), f"expert {expert}'s down projection")
+            self.w2.data[local].copy_(source.read(1, lo, size))
+            return
+        check_shape(source, (full, hidden), f"expert {expert}'s {_KINDS[kind]}")
+        self.w13.data[local, kind * size : (kind + 1) * size].copy_(source.read(0, lo, size))
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's part of sum_j w_j expert_j(x) for router `logits` [T, E], plus
+        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]."""
+        if self.fused is not None:
+            out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate)
+            return out
+        weights, ids = select_experts(logits, self.spec.top_k, renormalize=self.spec.renormalize)
+        out = self._torch_experts(x, weights, ids)
+        if shared is not None and shared_gate is not None:
+            out = out + torch.sigmoid(shared_gate) * shared
+        return out
+
+    def _torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every local expert over every token, each output kept where the token chose that expert, added
+        in expert order as HF transformers adds them (so float32 CPU runs round alike)."""
+        size = self.shard.inter_size
+        out = torch.zeros_like(x)
+        local = ids - self.shard.expert_start
+        for e in range(self.shard.num_local):
+            hit = local == e  # [T, k]: each expert appears at most once per token
+            weight = (weights * hit).sum(dim=-1, keepdim=True)
+            gate_up = F.linear(x, self.w13[e])
+            y = F.linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], self.w2[e])
+            out += torch.where(hit.any(dim=-1, keepdim=True), y * weight, 0.0).to(x.dtype)
+        return out
+
+
+def _experts_of(
+    source: TensorSource, shard: ExpertShard, shape: tuple[int, int, int], what: str
+) -> torch.Tensor:
+    """This rank's experts [E_local, a, b] of a fused [E, a, b] tensor. One stored as [E, b, a] (the
+    transposed layout some exporters write) is accepted where a != b makes that unambiguous."""
+    experts, a, b = shape
+    if a != b and source.shape == (experts, b, a):
+        return source.read(0, shard.expert_start, shard.num_local).transpose(1, 2)
+    check_shape(source, shape, what)
+    return source.read(0, shard.expert_start, shard.num_local)

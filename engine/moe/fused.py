@@ -1,0 +1,249 @@
+"""The fused MoE path on CUDA: which Triton kernels run for a batch, their block sizes, and their buffers.
+
+Everything is decided from shapes (the token count is a shape, fixed for each captured graph), and no
+value is read back to the host: routing, grouping by expert and both GEMMs run on the device with buffers
+of their worst-case size, so the layer captures into decode and piecewise CUDA graphs like the dense
+MLP. One or two tokens take triton_small.py (two launches); more take triton_route.py's routing and
+grouping and triton_gemm.py's grouped GEMMs and top-k sum.
+
+flashinfer 0.7's fused MoE is not used: its bf16 path on Hopper is a CUTLASS module compiled at first use
+from sources our GPU bundle strips (it keeps attention, norm, rope and sampling), and its trtllm-gen
+kernels need Blackwell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from tandem.engine.moe.spec import ExpertShard, MoESpec
+from tandem.engine.moe.triton_gemm import grouped_gemm_kernel, sum_kernel
+from tandem.engine.moe.triton_route import align_kernel, route_kernel
+from tandem.engine.moe.triton_small import down_kernel, up_kernel
+
+# Up to this many tokens the experts run as per-pair GEMVs (triton_small.py): their few pairs rarely share
+# an expert, so grouping saves no weight reads and costs three launches.
+SMALL_MAX_TOKENS = 2
+ONEHOT_ELEMENTS = 8192  # route_kernel's [BT * k, experts] one-hot per program
+# Weight elements a small-path program loads per step: its slice of an expert's gate (and as much of its
+# up) rows, or of its down rows for one expert of the k; the whole reduction in one step up to 2,048.
+SMALL_UP_SLICE, SMALL_DOWN_SLICE = 4096, 4096
+
+
+def small_blocks(reduction: int, slice_elements: int) -> tuple[int, int]:
+    """(BK, BN) of a small-path kernel: the reduction in blocks of up to 2,048, and as many output
+    features a program as keep its slice within `slice_elements` (1 to 16)."""
+    bk = min(2048, triton.next_power_of_2(reduction))
+    return bk, max(1, min(16, slice_elements // bk))
+
+
+@dataclass(frozen=True)
+class GemmBlocks:
+    """One grouped GEMM's tile: BM rows (all of one expert), BN outputs, BK of the reduction."""
+
+    bm: int
+    bn: int
+    bk: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_blocks(rows_per_expert: float, *, gated: bool) -> GemmBlocks:
+    """The tile for a batch whose experts see `rows_per_expert` pairs on average. Few rows (decode): the
+    GEMMs stream the weights, and a block of rows large enough that an expert's pairs rarely spill into
+    a second block (which would read its weights again) with long K steps; many rows (prefill): 64-row
+    blocks that reuse each weight tile over more rows. The gated up GEMM holds two accumulators and two
+    weight tiles, so it always takes one pipeline stage less, and at 64 rows half the columns."""
+    stages = 3 if gated else 4
+    if rows_per_expert <= 8:
+        return GemmBlocks(16, 64, 128, 1, 4, stages)
+    if rows_per_expert <= 24:
+        return GemmBlocks(32, 64, 128, 1, 4, stages)
+    return GemmBlocks(64, 64 if gated else 128, 64, 8, 4 if gated else 8, 3)
+
+
+@dataclass
+class Routing:
+    """The grouped path's schedule for one batch: every pair's expert and weight, and the pairs laid out
+    by expert in blocks of `up.bm` rows (the padding slots hold the sentinel `num_pairs`)."""
+
+    ids: torch.Tensor  # int32 [T, k], global expert ids
+    weights: torch.Tensor  # float32 [T, k]
+    sorted_pairs: torch.Tensor  # int32 [max_slots]
+    block_experts: torch.Tensor  # int32 [max_row_blocks]
+    total: torch.Tensor  # int32 [1]: the padded slots in use
+    num_pairs: int
+    max_row_blocks: int
+    up: GemmBlocks
+    down: GemmBlocks
+
+
+class FusedMoE:
+    """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`."""
+
+    def __init__(self, spec: MoESpec, shard: ExpertShard, hidden_size: int) -> None:
+        self.spec, self.shard, self.hidden = spec, shard, hidden_size
+        self.experts_pad = triton.next_power_of_2(spec.num_experts)
+        self.k_pad = triton.next_power_of_2(spec.top_k)
+        self.local_pad = triton.next_power_of_2(shard.num_local)
+        self.route_block = max(1, min(64, ONEHOT_ELEMENTS // (self.k_pad * self.local_pad)))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if x.shape[0] <= SMALL_MAX_TOKENS:
+            return self._small(x, logits, w13, w2, shared, shared_gate)
+        routing = self.route(logits)
+        pairs = self.expert_gemms(x, routing, w13, w2)
+        return self.sum(pairs, routing, shared, shared_gate)
+
+    def _small(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        shared: torch.Tensor | None,
+        shared_gate: torch.Tensor | None,
+    ) -> torch.Tensor:
+        tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
+        act = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
+        route = self._route_args()
+        up_k, up_n = small_blocks(hidden, SMALL_UP_SLICE)
+        up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
+        up(x, logits, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
+           HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, num_warps=4)  # fmt: skip
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        has_shared = shared is not None and shared_gate is not None
+        down_k, down_n = small_blocks(inter, SMALL_DOWN_SLICE)
+        down: Any = down_kernel[(tokens, triton.cdiv(hidden, down_n))]
+        down(
+            act,
+            logits,
+            w2,
+            out,
+            shared if has_shared else out,  # placeholders without a shared expert: never read
+            shared_gate if has_shared else out,
+            logits.stride(0),
+            w2.stride(0),
+            out.stride(0),
+            shared.stride(0) if shared is not None and has_shared else 0,
+            shared_gate.stride(0) if shared_gate is not None and has_shared else 0,
+            *route,
+            HIDDEN=hidden,
+            INTER=inter,
+            BN=down_n,
+            BK=down_k,
+            SHARED=has_shared,
+            num_warps=4,
+        )
+        return out
+
+    def _route_args(self) -> tuple[Any, ...]:
+        """expert_start, num_local, then the routing constexprs E, E_PAD, TOPK, K_PAD, RENORM."""
+        s = self.spec
+        return (
+            self.shard.expert_start,
+            self.shard.num_local,
+            s.num_experts,
+            self.experts_pad,
+            s.top_k,
+            self.k_pad,
+            s.renormalize,
+        )
+
+    def route(self, logits: torch.Tensor, tiles: tuple[GemmBlocks, GemmBlocks] | None = None) -> Routing:
+        """Top-k and the grouping by expert for router `logits` [T, E] (two launches), for the GEMMs'
+        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's)."""
+        tokens, k, device = logits.shape[0], self.spec.top_k, logits.device
+        num_pairs, local = tokens * k, self.shard.num_local
+        per_expert = num_pairs / self.spec.num_experts
+        up, down = tiles or (gemm_blocks(per_expert, gated=True), gemm_blocks(per_expert, gated=False))
+        if up.bm != down.bm:
+            raise ValueError(f"the up and down GEMMs share one schedule: BM {up.bm} != {down.bm}")
+        bm = up.bm
+        blocks = triton.cdiv(tokens, self.route_block)
+        ids = torch.empty(tokens, k, dtype=torch.int32, device=device)
+        weights = torch.empty(tokens, k, dtype=torch.float32, device=device)
+        counts = torch.empty(blocks, local, dtype=torch.int32, device=device)
+        ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        s = self.spec
+        route: Any = route_kernel[(blocks,)]
+        route(logits, ids, weights, counts, ranks, tokens, logits.stride(0), self.shard.expert_start, local,
+              E=s.num_experts, E_PAD=self.experts_pad, TOPK=k, K_PAD=self.k_pad, RENORM=s.renormalize,
+              BT=self.route_block, LOCAL_PAD=self.local_pad, num_warps=4)  # fmt: skip
+        max_slots = num_pairs + local * (bm - 1)
+        max_row_blocks = triton.cdiv(max_slots, bm)
+        sorted_pairs = torch.empty(max_row_blocks * bm, dtype=torch.int32, device=device)
+        block_experts = torch.empty(max_row_blocks, dtype=torch.int32, device=device)
+        total = torch.empty(1, dtype=torch.int32, device=device)
+        align: Any = align_kernel[(1,)]
+        align(ids, counts, ranks, sorted_pairs, block_experts, total, num_pairs, blocks, max_row_blocks,
+              self.shard.expert_start, local, TOPK=k, BT=self.route_block, BM=bm,
+              LOCAL_PAD=self.local_pad, CHUNK=max(1, ONEHOT_ELEMENTS // self.local_pad), PAIR_CHUNK=1024,
+              num_warps=8)  # fmt: skip
+        return Routing(ids, weights, sorted_pairs, block_experts, total, num_pairs, max_row_blocks, up, down)
+
+    def expert_gemms(
+        self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """Both grouped GEMMs: the weighted down projection of every pair, [T * k, H] (rows of other
+        ranks' experts are left unwritten)."""
+        inter, k = self.shard.inter_size, self.spec.top_k
+        act = torch.empty(routing.num_pairs, inter, dtype=x.dtype, device=x.device)
+        self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=self.hidden, row_div=k, gated=True)
+        pairs = torch.empty(routing.num_pairs, self.hidden, dtype=x.dtype, device=x.device)
+        self._gemm(act, w2, pairs, routing, routing.down, n=self.hidden, k_dim=inter, row_div=1, gated=False)
+        return pairs
+
+    def _gemm(
+        self,
+        a: torch.Tensor,
+        w: torch.Tensor,
+        out: torch.Tensor,
+        routing: Routing,
+        blocks: GemmBlocks,
+        *,
+        n: int,
+        k_dim: int,
+        row_div: int,
+        gated: bool,
+    ) -> None:
+        grid = (routing.max_row_blocks * triton.cdiv(n, blocks.bn),)
+        gemm: Any = grouped_gemm_kernel[grid]
+        gemm(a, w, out, routing.sorted_pairs, routing.block_experts, routing.total, routing.weights,
+             routing.num_pairs, routing.max_row_blocks, n, k_dim, a.stride(0), w.stride(0), w.stride(1),
+             out.stride(0), A_ROW_DIV=row_div, GATED=gated, WEIGHTED=not gated, BM=blocks.bm, BN=blocks.bn,
+             BK=blocks.bk, GROUP_M=blocks.group_m, num_warps=blocks.num_warps,
+             num_stages=blocks.num_stages)  # fmt: skip
+
+    def sum(
+        self,
+        pairs: torch.Tensor,
+        routing: Routing,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each token's k weighted rows added (+ sigmoid(gate) * shared): [T, H]."""
+        tokens, hidden = routing.ids.shape[0], self.hidden
+        out = torch.empty(tokens, hidden, dtype=pairs.dtype, device=pairs.device)
+        has_shared = shared is not None and shared_gate is not None
+        block = min(1024, triton.next_power_of_2(hidden))
+        add: Any = sum_kernel[(tokens, triton.cdiv(hidden, block))]
+        add(pairs, routing.ids, out, shared if has_shared else out, shared_gate if has_shared else out,
+            hidden, pairs.stride(0), out.stride(0),
+            shared.stride(0) if shared is not None and has_shared else 0,
+            shared_gate.stride(0) if shared_gate is not None and has_shared else 0,
+            self.shard.expert_start, self.shard.num_local, TOPK=self.spec.top_k, K_PAD=self.k_pad, BH=block,
+            SHARED=has_shared, num_warps=4)  # fmt: skip
+        return out

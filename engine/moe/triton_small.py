@@ -1,0 +1,130 @@
+"""The experts for one or two tokens (decode at batch 1 and 2), in two Triton launches and no grouping.
+
+At that size a token's k experts are all different and no two tokens share many, so there is nothing to
+group: `up_kernel` runs one program per (pair, BN features) that routes its token itself (the router's
+softmax and top k again, from the logits, as triton_route.py does: a few hundred floats), and computes
+silu(gate) * up for its expert as a GEMV; `down_kernel` runs one program per (token, BN features) that
+routes again and adds its k experts' down projections, weighted, in routing order, plus a shared
+expert's gated output where there is one. So the layer's routed experts cost two launches in a decode
+graph, against five for the grouped path (route, align, two GEMMs, sum), and no buffer but the
+activation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tandem.engine.moe.triton_route import topk_rows
+
+
+@triton.jit
+def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    x_ptr,
+    logits_ptr,
+    w13_ptr,
+    act_ptr,
+    stride_x,
+    stride_logits,
+    stride_we,
+    expert_start,
+    num_local,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's."""
+    pair = tl.program_id(0)
+    token = pair // TOPK
+    rows = token + tl.arange(0, 1)
+    ids, _ = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+    slots = tl.arange(0, K_PAD)
+    expert = tl.sum(tl.where(slots[None, :] == pair % TOPK, ids, 0)) - expert_start
+    if (expert < 0) | (expert >= num_local):
+        return
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_mask = cols < INTER
+    gate_rows = w13_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * HIDDEN
+    acc_gate = tl.zeros([BN], dtype=tl.float32)
+    acc_up = tl.zeros([BN], dtype=tl.float32)
+    # Unrolled (one step where the hidden size fits a block), so the weight loads are not held back by
+    # a loop: the program streams its whole slice at once.
+    for k0 in tl.static_range(0, HIDDEN, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_mask = ks < HIDDEN
+        x = tl.load(x_ptr + token.to(tl.int64) * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
+        m = col_mask[:, None] & k_mask[None, :]
+        gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(gate * x[None, :], axis=1)
+        acc_up += tl.sum(up * x[None, :], axis=1)
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(act_ptr + pair.to(tl.int64) * INTER + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    act_ptr,
+    logits_ptr,
+    w2_ptr,
+    out_ptr,
+    shared_ptr,
+    shared_gate_ptr,
+    stride_logits,
+    stride_we,
+    stride_out,
+    stride_shared,
+    stride_gate,
+    expert_start,
+    num_local,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n]) over this rank's experts
+    (+ sigmoid(gate) * shared[token, n])."""
+    token = tl.program_id(0)
+    rows = token + tl.arange(0, 1)
+    ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+    slots = tl.arange(0, K_PAD)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    col_mask = cols < HIDDEN
+    acc = tl.zeros([BN], dtype=tl.float32)
+    # All unrolled: the k experts' weight loads are independent and may all be in flight at once.
+    for j in tl.static_range(TOPK):
+        expert = tl.sum(tl.where(slots[None, :] == j, ids, 0)) - expert_start
+        weight = tl.sum(tl.where(slots[None, :] == j, weights, 0.0))
+        mine = (expert >= 0) & (expert < num_local)
+        # Another rank's expert reads nothing: its reduction length is 0.
+        length = tl.where(mine, INTER, 0)
+        rows_of = cols[:, None].to(tl.int64) * INTER
+        base = w2_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_we + rows_of
+        act_row = act_ptr + (token * TOPK + j).to(tl.int64) * INTER
+        part = tl.zeros([BN], dtype=tl.float32)
+        for k0 in tl.static_range(0, INTER, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_mask = ks < length
+            a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+            m = col_mask[:, None] & k_mask[None, :]
+            w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            part += tl.sum(w * a[None, :], axis=1)
+        acc += weight * part
+    if SHARED:
+        gate = tl.load(shared_gate_ptr + token.to(tl.int64) * stride_gate).to(tl.float32)
+        row = shared_ptr + token.to(tl.int64) * stride_shared + cols
+        acc += tl.load(row, mask=col_mask, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
+    out = out_ptr + token.to(tl.int64) * stride_out + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
