@@ -117,7 +117,8 @@ class OpenAIService:
         if request_cls is None:
             raise invalid_request(f"no route {path}; use one of {', '.join(routes)}", param="url")
         try:
-            request = request_cls.model_validate(body)
+            # As FastAPI validates a route's body, so that the messages match the HTTP route's too.
+            request = request_cls.model_validate(body, from_attributes=True)
         except ValidationError as exc:
             self.record_outcome("4xx")
             raise from_validation_errors(exc.errors()) from None
