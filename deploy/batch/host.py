@@ -22,10 +22,12 @@ from tandem.deploy.batch.actor_group import reserve_actor_group
 from tandem.deploy.generation.service import GenerationService
 from tandem.deploy.observability.metrics import NullMetrics
 from tandem.replicas.llm_replica import LLMReplica
+from tandem.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SHUTDOWN_TIMEOUT_S = 10.0
+WARM_UP_REQUESTS, WARM_UP_PROMPT_TOKENS, WARM_UP_TOKENS = 8, 64, 16
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,30 @@ class EngineHost:
                 placement_group=self.group,
             )
             self.call(self.replica.start())
+            self.call(self._warm_up())
         except BaseException:
             self.close()
             raise
         self.generation = GenerationService(
             self.replica, NullMetrics(), vocab_size=self.replica.vocab_size, chat_template=spec.chat_template
         )
+
+    async def _warm_up(self) -> None:
+        """A few short requests before the actor takes rows, so that first-use work (kernel setup,
+        allocator growth) is done at start, as LLM's callers do it, rather than in the first batch."""
+        vocab, room = self.replica.vocab_size, self.replica.max_model_len
+        tokens = max(1, min(WARM_UP_TOKENS, room // 4))
+        sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        length = max(1, min(WARM_UP_PROMPT_TOKENS, room - tokens))
+        if self.replica.admission_error(length, tokens) is not None:
+            return  # an engine too small for even this: its first batch pays instead
+
+        async def one(offset: int) -> None:
+            prompt = [(offset + 7 * i) % vocab for i in range(length)]
+            async for _ in self.replica.generate(prompt, sampling):
+                pass
+
+        await asyncio.gather(*(one(k) for k in range(WARM_UP_REQUESTS)))
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the engine's loop and wait for it (from any other thread)."""
