@@ -21,6 +21,7 @@ from tandem.deploy.protocol.templates import load_chat_template
 
 logger = logging.getLogger(__name__)
 ACTOR_CPUS = 1.0  # the stage actor itself: tokenizing, detokenizing, Arrow in and out
+DATA_TASK_CPUS = 1.0  # Ray Data's own tasks beside the actors
 
 
 def engine_spec(config: ProcessorConfig) -> EngineSpec:
@@ -75,12 +76,14 @@ def _warn_if_unplaceable(bundles: list[dict[str, float]], actors: int) -> None:
         return
     total = ray.cluster_resources()
     for resource in ("CPU", "GPU"):
-        own = ACTOR_CPUS if resource == "CPU" else 0.0
+        # Ray Data's own tasks (reading, repartitioning, pre- and postprocess) need a CPU beside them.
+        own = ACTOR_CPUS + DATA_TASK_CPUS / actors if resource == "CPU" else 0.0
         need = actors * (own + sum(b.get(resource, 0.0) for b in bundles))
         if need > total.get(resource, 0.0):
             logger.warning(
-                "tandem batch: %d actor(s) of bundles %s need %g %s; the cluster has %s, so some wait "
-                "until it grows",
+                "tandem batch: %d actor(s) with rank bundles %s, and Ray Data's tasks, need %g %s; the "
+                "cluster has %s, so the job waits until it grows (start Ray with more logical CPUs, "
+                "e.g. ray.init(num_cpus=...), if the rank actors mostly wait on GPUs)",
                 actors,
                 bundles,
                 need,

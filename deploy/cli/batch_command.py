@@ -14,9 +14,6 @@ from pydantic import ValidationError
 from tandem.deploy.batch.config import ProcessorConfig
 from tandem.engine.environment import ray_address
 
-# Ray Data's own tasks (reading lines, repartitioning) need CPUs beside the engine actors'.
-DATA_TASK_CPUS = 2
-
 
 def add_batch_parser(commands: Any) -> None:
     batch = commands.add_parser(
@@ -96,7 +93,7 @@ def _connect_ray(address: str | None, config: ProcessorConfig) -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one; True if started."""
     import ray
 
-    from tandem.deploy.batch.actor_pool import ACTOR_CPUS
+    from tandem.deploy.batch.actor_pool import ACTOR_CPUS, DATA_TASK_CPUS
     from tandem.deploy.cli.serve_command import _ray_start_address
 
     existing = address or ray_address() or _ray_start_address()
@@ -104,7 +101,7 @@ def _connect_ray(address: str | None, config: ProcessorConfig) -> bool:
         ray.init(address=existing)
         return False
     actors = config.pool_size[1]
-    needed = actors * (config.tp_size * config.cpus_per_rank + ACTOR_CPUS) + DATA_TASK_CPUS
+    needed = actors * (config.tp_size * config.cpus_per_rank + ACTOR_CPUS) + 2 * DATA_TASK_CPUS
     # Logical CPUs, not cores: the rank actors mostly wait on the device.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False)
     return True
