@@ -14,6 +14,7 @@ BENCHMARKS = {
     "online": "Online serving load against a running server: TTFT, ITL, TPOT, goodput.",
     "decode": "Decode step latency against the memory roofline.",
     "window": "Sliding-window decode at short and long context.",
+    "batch": "tandem.batch over Ray Data against LLM.generate on the offline workload.",
 }
 
 
