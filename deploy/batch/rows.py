@@ -54,6 +54,8 @@ def sampling_params(values: Any) -> SamplingParams:
     unknown = sorted(set(given) - _SAMPLING_FIELDS)
     if unknown:
         raise RowError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+    if "logprobs" in given:  # refused rather than dropped: a row has no column for them
+        raise RowError("sampling_params: logprobs are not returned as columns; `tandem batch` returns them")
     if isinstance(given.get("structured_outputs"), dict):
         given["structured_outputs"] = _structured(given["structured_outputs"])
     if isinstance(given.get("logit_bias"), dict):  # Arrow turns int keys into struct field names

@@ -52,6 +52,7 @@ def test_arrow_nulls_mean_defaults() -> None:
         ({"prompt": "a", "sampling_params": {"max_tokens": 0}}, "max_tokens must be an int >= 1"),
         ({"prompt": "a", "sampling_params": {"temperature": "hot"}}, "sampling_params:"),
         ({"prompt": "a", "sampling_params": [1]}, "sampling_params must be a dict"),
+        ({"prompt": "a", "sampling_params": {"logprobs": 2}}, "logprobs are not returned"),
         (
             {"prompt": "a", "sampling_params": {"structured_outputs": {"regex": "a", "choice": ["b"]}}},
             "exactly one",
