@@ -168,3 +168,20 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_no_row(ray_cluster: None, 
     for row in got:
         assert row["error"] is None
         assert list(row["generated_tokens"]) == expected[int(row["id"])].token_ids
+
+
+def test_tp2_actors_get_their_ranks_through_their_own_placement_group(ray_cluster: None, model: Path) -> None:
+    rows_total = 12
+    config = ProcessorConfig(
+        model_source=str(model), tp_size=2, batch_size=4, device="cpu", engine_kwargs=ENGINE
+    )
+    params = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+    processor = build_processor(
+        config, preprocess=lambda row: {"prompt": prompt_of(int(row["id"])), "sampling_params": params}
+    )
+    rows = processor(ray.data.range(rows_total)).take_all()
+    expected = reference(model, list(range(rows_total)), MAX_TOKENS)
+    for row in rows:
+        assert list(row["generated_tokens"]) == expected[int(row["id"])].token_ids
+    groups = [g for g in ray.util.placement_group_table().values() if str(g["name"]).startswith(GROUP_PREFIX)]
+    assert {len(g["bundles"]) for g in groups} >= {2}  # one bundle per rank, as a serving replica's
