@@ -73,6 +73,7 @@ def run_batch(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"tandem batch: {exc}", file=sys.stderr)
         return 2
+    _show_progress(sys.stderr.isatty())
     started = _connect_ray(args.address, config)
     try:
         summary = run_batch_file(args.input_file, args.output_file, config, args.served_model_name)
@@ -87,6 +88,17 @@ def run_batch(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _show_progress(terminal: bool) -> None:
+    """On a terminal, Ray Data's live progress bars (its rich ones: its tqdm ones draw nothing there in
+    Ray 2.60); elsewhere its default, a progress line in the log every few seconds."""
+    if terminal:
+        from ray.data import DataContext
+
+        context = DataContext.get_current()
+        context.enable_rich_progress_bars = True
+        context.use_ray_tqdm = False
 
 
 def _connect_ray(address: str | None, config: ProcessorConfig) -> bool:
