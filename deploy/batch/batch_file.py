@@ -2,8 +2,8 @@
 
 Lines are read with Ray Data (a local path, or any URI it reads: s3://, gs://, ...), answered by
 `LineStage` and written in input order, one output line per non-blank input line, by the driver as they
-arrive, through the same filesystems. A local input path is read on this node (`local://`), so the
-file need not exist on the others.
+arrive, through the same filesystems. A local input path is read on this node, so the file need not
+exist on the others.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
-from ray.data import DataContext
+from ray.data import DataContext, Dataset
 
 from tandem.deploy.batch.actor_group import release_orphan_groups
 from tandem.deploy.batch.actor_pool import engine_spec, map_batches_kwargs
@@ -45,7 +45,7 @@ def run_batch_file(
     spec = engine_spec(config)
     summary = BatchFileSummary()
     with _ordered():  # a dataset keeps the context it was built under
-        dataset = ray.data.read_text(readable_uri(input_uri))
+        dataset = read_lines(input_uri)
         dataset = dataset.repartition(target_num_rows_per_block=config.batch_size)
         kwargs = map_batches_kwargs(config, spec, served_model_name=served_model_name or config.model_source)
         dataset = dataset.map_batches(LineStage, **kwargs)
@@ -71,13 +71,23 @@ def _count(summary: BatchFileSummary, status: int | None) -> None:
 
 
 def readable_uri(uri: str) -> str:
-    """A URI Ray Data reads on any node: a scheme-less path becomes `local://` (read on this node)."""
+    """The URI itself, or a scheme-less path made absolute, once it names a file here."""
     if "://" in uri:
         return uri
     path = os.path.abspath(os.path.expanduser(uri))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no input file {uri}")
-    return f"local://{path}"
+    return path
+
+
+def read_lines(uri: str) -> Dataset:
+    """The file's non-blank lines (a `text` column). A local path is read on this node, which may be the
+    only one that has the file."""
+    path = readable_uri(uri)
+    if "://" in uri:
+        return ray.data.read_text(path)
+    here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}  # every Ray node's own label
+    return ray.data.read_text(path, label_selector=here)
 
 
 @contextmanager
