@@ -1,9 +1,9 @@
 """The batch file's engine stage: input lines in, output lines out, each body answered by the same
 `OpenAIService` and request path as the HTTP server's, on this actor's engine.
 
-Admission runs the engine's batch and queues the rest without bound (a batch job is all queue). A 5xx
-is checked against the engine's health: a dead rank ends the actor, so that Ray retries its lines on a
-fresh one, rather than writing a line that only says the engine broke.
+Admission lets twice the engine's batch in and queues the rest without bound. A 5xx is checked against
+the engine's health: a dead rank ends the actor, so that Ray retries its lines on a fresh one, rather
+than writing a line that only says the engine broke.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tandem.deploy.serving.openai_service import OpenAIService
 logger = logging.getLogger(__name__)
 LINE_COLUMN = "line"
 STATUS_COLUMN = "status_code"  # the response's, or null for a line that is not a request
+ADMITTED_PER_RUNNING = 2
 
 
 class LineStage(EngineStage):
@@ -36,7 +37,10 @@ class LineStage(EngineStage):
             max_choices=DEFAULT_MAX_CHOICES_PER_REQUEST,
             max_prompt_chars=prompt_chars_bound(replica.max_model_len, DEFAULT_PROMPT_CHARS_PER_TOKEN),
         )
-        backend = ReplicaBackend(self._host.generation, Admission(replica.max_running, -1))
+        # Twice what the engine runs, so the scheduler's own queue refills a finished slot at once; the
+        # rest wait here, unbounded (a batch job is all queue), instead of as streams in the replica.
+        admission = Admission(ADMITTED_PER_RUNNING * replica.max_running, -1)
+        backend = ReplicaBackend(self._host.generation, admission)
         self._service = OpenAIService(backend, served_model_name, spec.model, limits=limits)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
