@@ -138,8 +138,10 @@ def test_greedy_rows_equal_llm_generate_and_bad_rows_get_an_error(ray_cluster: N
     assert live_groups() == []
 
 
-def test_an_actor_killed_mid_run_loses_and_duplicates_no_row(ray_cluster: None, model: Path) -> None:
-    rows_total = 64  # sixteen batches, one at a time per actor: the kill lands with work left
+def test_an_actor_and_a_rank_killed_mid_run_lose_and_duplicate_no_row(ray_cluster: None, model: Path) -> None:
+    """One engine actor's process is killed (Ray restarts it and runs its batches again), then a rank of a
+    running engine (its actor sees the engine fail, exits, and is restarted the same way)."""
+    rows_total = 64  # sixteen batches, one at a time per actor: the kills land with work left
     before = set(stage_actors())
     config = ProcessorConfig(
         model_source=str(model),
@@ -159,15 +161,42 @@ def test_an_actor_killed_mid_run_loses_and_duplicates_no_row(ray_cluster: None, 
     assert alive, "no engine actor to kill"
     victim, actor = next(iter(alive.items()))
     os.kill(int(actor["Pid"]), signal.SIGKILL)  # as the OOM killer would: no cleanup, no goodbye
+    rank = running_rank(before, exclude_owner=actor)
+    os.kill(int(rank["Pid"]), signal.SIGKILL)
     got += list(rows)
-    assert len(got) < rows_total + 1 and got[0] is not None
     ids = sorted(int(r["id"]) for r in got)
     assert ids == list(range(rows_total)), "rows lost or duplicated"
-    assert stage_actors()[victim]["NumRestarts"] >= 1  # Ray restarted it and ran its batches again
+    actors = stage_actors()
+    assert actors[victim]["NumRestarts"] >= 1  # Ray restarted it and ran its batches again
+    assert sum(a["NumRestarts"] for i, a in actors.items() if i not in before) >= 2  # and the rank's
     expected = reference(model, list(range(rows_total)), MAX_TOKENS)
     for row in got:
         assert row["error"] is None
         assert list(row["generated_tokens"]) == expected[int(row["id"])].token_ids
+
+
+def running_rank(before: set[str], exclude_owner: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """A live rank actor whose engine actor is up (not the one just killed), once there is one."""
+    import ray._private.state
+
+    def where(address: dict[str, Any]) -> tuple[Any, Any]:
+        return address.get("IPAddress"), address.get("Port")
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        owners = {
+            where(a["Address"])
+            for i, a in stage_actors().items()
+            if i not in before
+            and a["State"] == "ALIVE"
+            and where(a["Address"]) != where(exclude_owner["Address"])
+        }
+        for rank in ray._private.state.actors().values():
+            live = "RankWorker" in rank["ActorClassName"] and rank["State"] == "ALIVE"
+            if live and where(rank["OwnerAddress"]) in owners:
+                return dict(rank)
+        time.sleep(0.2)
+    raise AssertionError("no running engine's rank to kill")
 
 
 def test_tp2_actors_get_their_ranks_through_their_own_placement_group(ray_cluster: None, model: Path) -> None:
