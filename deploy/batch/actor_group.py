@@ -14,7 +14,12 @@ from __future__ import annotations
 import logging
 
 import ray
-from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 
 from tandem.cluster import placement
 from tandem.cluster.ray_cluster import cluster_resources_summary
@@ -58,7 +63,6 @@ def release_orphan_groups() -> int:
     """Remove the groups of batch actors that are gone: Ray Data kills an actor still starting when a
     dataset ends, and a killed actor runs no cleanup. Returns how many it removed."""
     import ray._private.state  # the GCS actor table; Ray's public state API needs the dashboard
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     removed = 0
     for group_id, group in ray.util.placement_group_table().items():
