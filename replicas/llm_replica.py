@@ -51,6 +51,7 @@ class LLMReplica:
         cpus_per_rank: float = 1.0,
         max_heartbeat_age_s: float = 60.0,
         stuck_rank_timeout_s: float = 10.0,
+        placement_group: Any = None,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -59,6 +60,7 @@ class LLMReplica:
         self.options = RuntimeOptions.of(device=device, **(engine or {}))
         self.placement_strategy = placement_strategy
         self.cpus_per_rank = cpus_per_rank
+        self.placement_group = placement_group  # the ranks' bundles, if the caller reserved them
         self.max_heartbeat_age_s = max_heartbeat_age_s
         self._watchdog = RankWatchdog(stuck_rank_timeout_s, idle_after_s=max_heartbeat_age_s)
         self.tokenizer: Any = None
@@ -126,7 +128,11 @@ class LLMReplica:
         use_gpu = self._uses_gpu()
         self._channel = ReplicaChannel(node_ip())
         self._group = RankGroup(
-            self.tp_size, use_gpu=use_gpu, cpus_per_rank=self.cpus_per_rank, strategy=self.placement_strategy
+            self.tp_size,
+            use_gpu=use_gpu,
+            cpus_per_rank=self.cpus_per_rank,
+            strategy=self.placement_strategy,
+            placement_group=self.placement_group,
         )
         try:
             self.limits = self._group.start(str(model_dir), self.options, self._channel.address)

@@ -22,7 +22,8 @@ class RankGroup:
     """The `tp_size` rank actors of one replica, one per bundle of its placement group.
 
     Inside a Serve replica the group uses the replica's own placement group (Serve reserved it from
-    `placement_group_bundles`); elsewhere (`tandem.LLM(tp_size>1)`) it reserves one and releases it.
+    `placement_group_bundles`); given a `placement_group` (a batch actor's), it uses that one; elsewhere
+    (`tandem.LLM(tp_size>1)`) it reserves one and releases it.
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class RankGroup:
         cpus_per_rank: float = 1.0,
         strategy: str = "STRICT_PACK",
         timeout_s: float = 120.0,
+        placement_group: PlacementGroup | None = None,
     ) -> None:
         self.tp_size = tp_size
         self.use_gpu = use_gpu
@@ -41,8 +43,11 @@ class RankGroup:
         self.timeout_s = timeout_s
         self.actors: list[Any] = []
         self._own_pg: PlacementGroup | None = None
+        self._given_pg = placement_group
 
     def _placement_group(self) -> PlacementGroup:
+        if self._given_pg is not None:
+            return self._given_pg
         current = get_current_placement_group()
         if current is not None:
             return current

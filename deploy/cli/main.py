@@ -1,4 +1,4 @@
-"""The `tandem` command: `tandem serve ...` and `tandem bench offline|online ...`."""
+"""The `tandem` command: `tandem serve ...`, `tandem batch ...` and `tandem bench offline|online ...`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from tandem.deploy.cli.batch_command import add_batch_parser
 from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_METRICS_PORT, DEFAULT_PORT
 
 BENCHMARKS = {
@@ -14,12 +15,13 @@ BENCHMARKS = {
     "decode": "Decode step latency against the memory roofline.",
     "window": "Sliding-window decode at short and long context.",
     "moe": "Mixture of experts (Qwen3-30B-A3B shape, dummy weights): offline, decode, expert GEMMs.",
+    "batch": "tandem.batch over Ray Data against LLM.generate on the offline workload.",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="An LLM serving cluster on Ray.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,batch,bench}")
 
     serve = commands.add_parser(
         "serve",
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/serve-config.md#ingress).",
     )
 
+    add_batch_parser(commands)
+
     bench = commands.add_parser("bench", help="Run the benchmarks.")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
     for kind, text in BENCHMARKS.items():
@@ -107,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tandem.deploy.cli.serve_command import run_serve
 
         return run_serve(args)
+    if args.command == "batch":
+        from tandem.deploy.cli.batch_command import run_batch
+
+        return run_batch(args)
     if args.command == "bench":
         return run_bench(args.bench_kind, [])
     return 2  # argparse rejects unknown commands before this

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from tandem.deploy.generation.job_run import JobRun
 from tandem.deploy.guards.limits import RequestLimits, check_job
 from tandem.deploy.observability.replica_metrics import (
@@ -26,6 +28,7 @@ from tandem.deploy.observability.replica_metrics import (
 from tandem.deploy.observability.stats import aggregate_stats
 from tandem.deploy.protocol.errors import (
     OpenAIError,
+    from_validation_errors,
     internal_error,
     invalid_request,
     model_not_found,
@@ -101,6 +104,30 @@ class OpenAIService:
         except BaseException as exc:
             self.record_outcome(outcome_of_exception(exc))
             raise
+
+    async def answer(self, path: str, body: Any, *, allow_stream: bool = True) -> Response:
+        """A JSON body for a route (`/v1/completions`, `/v1/chat/completions`), parsed and answered as the
+        HTTP route answers it, for callers without FastAPI in front (the handle API, batch files). Every
+        failure, an invalid body included, is an `OpenAIError`."""
+        routes: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+        }
+        request_cls = routes.get(path)
+        if request_cls is None:
+            raise invalid_request(f"no route {path}; use one of {', '.join(routes)}", param="url")
+        try:
+            # As FastAPI validates a route's body, so that the messages match the HTTP route's too.
+            request = request_cls.model_validate(body, from_attributes=True)
+        except ValidationError as exc:
+            self.record_outcome("4xx")
+            raise from_validation_errors(exc.errors()) from None
+        if request.stream and not allow_stream:
+            self.record_outcome("4xx")
+            raise invalid_request("stream=true is not supported here", param="stream")
+        if isinstance(request, ChatCompletionRequest):
+            return await self.chat_completions(request)
+        return await self.completions(request)
 
     def record_outcome(self, outcome: str) -> None:
         """One generate request's outcome (observability/replica_metrics.py); also for bodies refused before

@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from tandem.deploy.generation.backend import ReplicaBackend
@@ -33,15 +32,13 @@ from tandem.deploy.guards.limits import RequestLimits, prompt_chars_bound
 from tandem.deploy.guards.shutdown import GateState
 from tandem.deploy.observability.metrics import ServingMetrics
 from tandem.deploy.observability.replica_metrics import ReplicaMetrics
-from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors
-from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
+from tandem.deploy.protocol.errors import OpenAIError
 from tandem.deploy.routing.prefix_routing import ONGOING_STAT
 from tandem.deploy.serving.http import build_http_app
 from tandem.deploy.serving.openai_service import OpenAIService, Response
 
 logger = logging.getLogger(__name__)
 QUEUED_PER_RUNNING = 4  # the default queue bound: a few engine batches' worth of requests
-RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def _default_replica(model: str | None, **kwargs: Any) -> Any:
@@ -128,12 +125,12 @@ class LLMServer:
     async def completions(
         self, body: dict[str, Any]
     ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
-        return await self._handle_call(body, CompletionRequest, self._service.completions)
+        return await self._handle_call(body, "/v1/completions")
 
     async def chat_completions(
         self, body: dict[str, Any]
     ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
-        return await self._handle_call(body, ChatCompletionRequest, self._service.chat_completions)
+        return await self._handle_call(body, "/v1/chat/completions")
 
     async def stats(self) -> dict[str, Any]:
         """The `LLM.stats()` keys summed over every replica, plus `num_replicas`."""
@@ -170,30 +167,18 @@ class LLMServer:
         await self._replica.shutdown(drain_timeout_s=0.0)
         await self._gate.wait_idle(timeout_s=5.0)
 
-    async def _call(
-        self,
-        body: dict[str, Any],
-        request_cls: type[RequestT],
-        method: Callable[[RequestT], Awaitable[Response]],
-    ) -> Response:
+    async def _call(self, body: dict[str, Any], path: str) -> Response:
         streaming = isinstance(body, dict) and body.get("stream") is True
         try:
-            return await method(request_cls.model_validate(body))
-        except ValidationError as exc:
-            error = from_validation_errors(exc.errors())
-            self._service.record_outcome("4xx")
-        except OpenAIError as exc:
-            error = exc
-        # Serve needs a generator for a stream=True call and a plain value otherwise.
-        return _yield_once(error.body()) if streaming else error.body()
+            return await self._service.answer(path, body)
+        except OpenAIError as error:
+            # Serve needs a generator for a stream=True call and a plain value otherwise.
+            return _yield_once(error.body()) if streaming else error.body()
 
     async def _handle_call(
-        self,
-        body: dict[str, Any],
-        request_cls: type[RequestT],
-        method: Callable[[RequestT], Awaitable[Response]],
+        self, body: dict[str, Any], path: str
     ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
-        result = await self._call(body, request_cls, method)
+        result = await self._call(body, path)
         return result if isinstance(result, dict) else _one_by_one(result)
 
     async def _poll_stats(self, interval_s: float) -> None:

@@ -1,0 +1,1 @@
+"""Offline batch inference over Ray Data: the `tandem.batch` processor and OpenAI batch files."""

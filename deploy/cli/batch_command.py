@@ -1,0 +1,142 @@
+"""`tandem batch -i IN -o OUT --model M`: an OpenAI batch file, answered as the HTTP server would, over
+Ray Data (vLLM's `run-batch`, on a cluster). Joins the running Ray cluster, else starts a local one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.deploy.batch.config import ProcessorConfig
+from tandem.engine.environment import ray_address
+
+
+def add_batch_parser(commands: Any) -> None:
+    batch = commands.add_parser(
+        "batch",
+        help="Run an OpenAI batch file (JSONL) through the model, over Ray Data.",
+        description="Each input line is {custom_id, method: POST, url: /v1/chat/completions | "
+        "/v1/completions, body}; each output line {id, custom_id, response: {status_code, request_id, "
+        "body}, error}, in input order. Bodies are checked and answered as `tandem serve` answers them.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="Input JSONL: a local path or a URI.")
+    batch.add_argument("-o", "--output-file", required=True, help="Output JSONL: a local path or a URI.")
+    batch.add_argument("--model", required=True, help="Hugging Face hub id or local model directory.")
+    batch.add_argument(
+        "--served-model-name", help="The name the bodies' `model` must give (default: --model)."
+    )
+    batch.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="Device of the ranks."
+    )
+    batch.add_argument("--concurrency", type=_positive_int, default=1, help="Engine actors (default 1).")
+    batch.add_argument("--tp-size", type=_positive_int, default=1, help="GPUs per engine (default 1).")
+    batch.add_argument("--batch-size", type=_positive_int, default=64, help="Lines per batch (default 64).")
+    batch.add_argument(
+        "--max-concurrent-batches",
+        type=_positive_int,
+        default=8,
+        help="Batches each engine runs at once (default 8).",
+    )
+    batch.add_argument("--chat-template", help="A Jinja chat template file (or inline template).")
+    batch.add_argument(
+        "--engine-kwargs",
+        type=_json_object,
+        default={},
+        help="Engine options as JSON, e.g. '{\"max_model_len\": 4096}'.",
+    )
+    batch.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one).")
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    try:
+        config = ProcessorConfig(
+            model_source=args.model,
+            concurrency=args.concurrency,
+            tp_size=args.tp_size,
+            device=args.device,
+            batch_size=args.batch_size,
+            max_concurrent_batches=args.max_concurrent_batches,
+            chat_template=args.chat_template,
+            engine_kwargs=args.engine_kwargs,
+        )
+    except ValidationError as exc:
+        print(f"tandem batch: {_first_error(exc)}", file=sys.stderr)
+        return 2
+    from tandem.deploy.batch.batch_file import readable_uri, run_batch_file
+
+    try:
+        readable_uri(args.input_file)
+    except FileNotFoundError as exc:
+        print(f"tandem batch: {exc}", file=sys.stderr)
+        return 2
+    _show_progress(sys.stderr.isatty())
+    started = _connect_ray(args.address, config)
+    try:
+        summary = run_batch_file(args.input_file, args.output_file, config, args.served_model_name)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    print(
+        f"tandem batch: wrote {summary.lines} lines to {args.output_file} in {summary.seconds:.1f}s: "
+        f"{summary.answered} answered, {summary.refused} refused by the API, {summary.invalid} invalid",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _show_progress(terminal: bool) -> None:
+    """On a terminal, Ray Data's live progress bars (its rich ones: its tqdm ones draw nothing there in
+    Ray 2.60); elsewhere its default, a progress line in the log every few seconds."""
+    if terminal:
+        from ray.data import DataContext
+
+        context = DataContext.get_current()
+        context.enable_rich_progress_bars = True
+        context.use_ray_tqdm = False
+
+
+def _connect_ray(address: str | None, config: ProcessorConfig) -> bool:
+    """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one; True if started."""
+    import ray
+
+    from tandem.deploy.batch.actor_pool import ACTOR_CPUS, DATA_TASK_CPUS
+    from tandem.deploy.cli.serve_command import _ray_start_address
+
+    existing = address or ray_address() or _ray_start_address()
+    if existing:
+        ray.init(address=existing)
+        return False
+    actors = config.pool_size[1]
+    needed = actors * (config.tp_size * config.cpus_per_rank + ACTOR_CPUS) + 2 * DATA_TASK_CPUS
+    # Logical CPUs, not cores: the rank actors mostly wait on the device.
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False)
+    return True
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{where}: {error.get('msg', 'invalid value')}" if where else str(error.get("msg"))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

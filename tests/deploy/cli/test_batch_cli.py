@@ -1,0 +1,57 @@
+"""`tandem batch`: its flags, and the mistakes it refuses before it starts Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.deploy.cli.main import build_parser, main
+
+
+def test_flags_as_vllm_run_batch_names_them() -> None:
+    args = build_parser().parse_args(
+        [
+            "batch",
+            "-i",
+            "in.jsonl",
+            "-o",
+            "s3://b/out.jsonl",
+            "--model",
+            "m",
+            "--concurrency",
+            "4",
+            "--tp-size",
+            "2",
+        ]
+    )
+    assert (args.input_file, args.output_file, args.model) == ("in.jsonl", "s3://b/out.jsonl", "m")
+    assert (args.concurrency, args.tp_size, args.device, args.batch_size) == (4, 2, "auto", 64)
+    assert args.engine_kwargs == {}
+    parsed = build_parser().parse_args(
+        ["batch", "-i", "a", "-o", "b", "--model", "m", "--engine-kwargs", '{"seed": 3}']
+    )
+    assert parsed.engine_kwargs == {"seed": 3}
+    for bad in (
+        ["--concurrency", "0"],
+        ["--engine-kwargs", "[1]"],
+        ["--engine-kwargs", "{"],
+        ["--device", "tpu"],
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["batch", "-i", "a", "-o", "b", "--model", "m", *bad])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["batch", "-i", "a", "-o", "b"])  # --model is required
+
+
+def test_a_missing_input_or_a_bad_option_fails_before_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "nope.jsonl")
+    assert main(["batch", "-i", missing, "-o", str(tmp_path / "o.jsonl"), "--model", "m"]) == 2
+    assert "no input file" in capsys.readouterr().err
+    given = tmp_path / "in.jsonl"
+    given.write_text("{}\n")
+    options = ["--engine-kwargs", '{"max_runing": 1}']
+    assert main(["batch", "-i", str(given), "-o", str(tmp_path / "o.jsonl"), "--model", "m", *options]) == 2
+    assert "unknown engine option(s): max_runing" in capsys.readouterr().err
