@@ -60,6 +60,16 @@ class DeviceFacts:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA, resolved: the slots, the rank they hold, and which kernels apply the deltas ("triton"
+    on CUDA where Triton imports, else the "torch" reference)."""
+
+    max_loras: int
+    max_lora_rank: int
+    kernels: str = "torch"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings after resolution. `num_pages` None means: size the pool from free memory.
 
@@ -94,6 +104,7 @@ class EngineConfig:
     fp8_gemm: str | None = None
     kv_cache_dtype: torch.dtype | None = None  # None: the model dtype
     max_batch_size: int = 256
+    lora: LoraConfig | None = None  # None: LoRA off
 
     def switches(self) -> dict[str, object]:
         """The engine's ablation switches as plain values, for benchmark result files."""
@@ -114,6 +125,7 @@ class EngineConfig:
             "kv_cache_dtype": None
             if self.kv_cache_dtype is None
             else str(self.kv_cache_dtype).removeprefix("torch."),
+            "lora": None if self.lora is None else dataclasses.asdict(self.lora),
             "page_size": self.page_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
@@ -250,4 +262,12 @@ def resolve_engine_config(
         quantization=quantization,
         fp8_gemm=_fp8_gemm(quantization, facts),
         kv_cache_dtype=kv_dtype,
+        lora=_lora(opts, facts),
     )
+
+
+def _lora(opts: EngineOptions, facts: DeviceFacts) -> LoraConfig | None:
+    if not opts.enable_lora:
+        return None
+    kernels = "triton" if facts.cuda and facts.triton else "torch"
+    return LoraConfig(opts.max_loras, opts.max_lora_rank, kernels)

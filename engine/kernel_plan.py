@@ -28,9 +28,13 @@ class KernelPlan:
     pdl: bool = False  # Triton kernels and tinygemm launch with programmatic dependent launch
     tinygemm: bool = False  # GEMMs of the shapes tinygemm wins (`Linear.tinygemm_fits`) run as tinygemm
     gemv: bool = False  # GEMMs run as the Triton GEMV (layers/triton_gemv.py), ahead of tinygemm
+    # Some rows run with a LoRA adapter: the linear layers add their deltas (engine/lora/). Graphs are
+    # captured with and without it, so a batch of base rows alone runs none of the LoRA kernels.
+    lora: bool = False
 
 
 EAGER = KernelPlan()
+EAGER_LORA = KernelPlan(lora=True)
 
 
 @dataclass(frozen=True)
