@@ -73,13 +73,14 @@ def lora_shrink_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     x_rows = x_ptr + tokens[:, None] * stride_x
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < NR
+    a_mask = r < tl.where(work, NR, 0)  # nothing of A is read for a tile with no rows
     a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + r[:, None].to(tl.int64) * K
     k0 = split * (ITERS * BLOCK_K)
     acc = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
     if ITERS == 1:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=work & r_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_rows + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         if PDL:  # A and the tile are constants of this graph replay: loaded under the kernel before
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -129,12 +130,13 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     size = tl.load(slices_ptr + 2 * piece + 1)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < size
+    b_mask = n < tl.where(work, size, 0)  # nothing of B is read for a tile with no rows
     cols = offset + n
     rr = tl.arange(0, BLOCK_R)
     r_mask = rr < R
     b = tl.load(
         b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None].to(tl.int64) * R + rr[None, :],
-        mask=work & n_mask[:, None] & r_mask[None, :],
+        mask=b_mask[:, None] & r_mask[None, :],
         other=0.0,
     )
     if PDL:  # B and the tile are constants of this graph replay
