@@ -221,6 +221,16 @@ class LLMReplica:
             await self._channel.send(UnloadLora(lora.id))
         return lora is not None
 
+    async def check_lora(self, path: str) -> None:
+        """Raise ValueError naming what keeps the adapter at `path` from being served here."""
+        await self.start()
+        assert self.catalog is not None
+        await asyncio.to_thread(self.catalog.check, path)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.options.engine.enable_lora
+
     def lora(self, name: str) -> LoRARequest | None:
         return None if self.catalog is None else self.catalog.get(name)
 
