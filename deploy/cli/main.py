@@ -62,6 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
         "before they end with an error (default 30); new requests get 503 meanwhile.",
     )
+    lora = serve.add_argument_group("LoRA adapters (vLLM's flags; docs/serve-config.md#lora-adapters)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=None,
+        help="PEFT adapters to serve by name (a local directory or a URI each); requests name one as "
+        "their `model`. Turns LoRA on.",
+    )
+    lora.add_argument("--enable-lora", action="store_true", default=None, help="Serve LoRA adapters.")
+    lora.add_argument("--max-loras", type=_positive_int, help="Adapters in one running batch (GPU slots).")
+    lora.add_argument("--max-lora-rank", type=_positive_int, help="Largest adapter rank served.")
+    lora.add_argument("--max-cpu-loras", type=_positive_int, help="Adapters each rank keeps in host memory.")
+    lora.add_argument(
+        "--lora-dynamic-path",
+        default=None,
+        help="A folder of adapters: `<model>:<name>` loads <folder>/<name> on first use. Turns LoRA on.",
+    )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(
         "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one)."

@@ -56,7 +56,17 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     overrides["served_model_name"] = args.served_model_name
     overrides["api_key"] = getattr(args, "api_key", None)
     overrides["chat_template"] = getattr(args, "chat_template", None)
+    overrides["lora_modules"] = getattr(args, "lora_modules", None)
+    overrides["lora_dynamic_path"] = getattr(args, "lora_dynamic_path", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
+    engine = {
+        k: getattr(args, k, None) for k in ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+    }
+    if any(v is not None for v in engine.values()):
+        app_args["engine"] = {
+            **(app_args.get("engine") or {}),
+            **{k: v for k, v in engine.items() if v is not None},
+        }
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),
         name=args.name or name or DEFAULT_APP_NAME,
