@@ -80,6 +80,7 @@ class AdapterRegistry:
         self._use = use
         self._on_request = on_request
         self._created = int(time.time())
+        self.requests: dict[str, int] = {}  # requests that named each adapter on this replica
         self._lock = asyncio.Lock()
 
     @property
@@ -120,6 +121,7 @@ class AdapterRegistry:
             if not (parsed.qualified and self._dynamic is not None):
                 raise model_not_found(model, self.served)
             await self._discover(name, model)
+        self.requests[name] = self.requests.get(name, 0) + 1
         if self._on_request is not None:
             self._on_request(name)
         return await self.hold(name)

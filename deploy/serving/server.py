@@ -215,6 +215,10 @@ class LLMServer:
         stats = dict(await self._replica.stats())
         stats["max_ongoing_requests"] = self._admission.max_running
         stats["max_queued_requests"] = self._admission.max_queued
+        stats["replica"] = serve.get_replica_context().replica_tag
+        if self._adapters is not None:  # which adapters this replica holds, and its requests for each
+            stats["lora_held"] = sorted(lora.name for lora in self._replica.loras())
+            stats["lora_requests"] = dict(self._adapters.requests)
         return stats
 
     async def check_health(self) -> None:
