@@ -25,8 +25,9 @@ _HEADER = 4  # int32s before the tile entries: the count, then padding to 16 byt
 
 
 def max_tiles(tokens: int, slots: int) -> int:
-    """Most tiles `tokens` tokens over `slots` slots can take: each slot's last tile may be partial."""
-    return -(-tokens // TILE) + min(slots, tokens)
+    """Most tiles `tokens` tokens over `slots` slots can take: the sum of ceil(n / TILE) over the slots'
+    counts n, at most (tokens + (TILE - 1) x the slots in use) / TILE."""
+    return (tokens + (TILE - 1) * min(slots, tokens)) // TILE
 
 
 def plan_tiles(

@@ -37,12 +37,36 @@ PROJECTIONS = {
 }
 # Fields read here, or that only steer training and initialisation (so a saved adapter is a plain LoRA).
 _UNDERSTOOD = {
-    "peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules",
-    "exclude_modules", "layers_to_transform", "layers_pattern", "bias", "fan_in_fan_out", "modules_to_save",
-    "init_lora_weights", "lora_dropout", "base_model_name_or_path", "revision", "task_type",
-    "inference_mode", "auto_mapping", "peft_version", "loftq_config", "eva_config", "corda_config",
-    "lora_ga_config", "megatron_core", "runtime_config", "qalora_group_size", "ensure_weight_tying",
-}  # fmt: skip
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+    "exclude_modules",
+    "layers_to_transform",
+    "layers_pattern",
+    "bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "init_lora_weights",
+    "lora_dropout",
+    "base_model_name_or_path",
+    "revision",
+    "task_type",
+    "inference_mode",
+    "auto_mapping",
+    "peft_version",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "lora_ga_config",
+    "megatron_core",
+    "runtime_config",
+    "qalora_group_size",
+    "ensure_weight_tying",
+}
 # init_lora_weights values that make the saved layers a different computation (a LoRA variant).
 _VARIANT_INITS = ("mica",)
 # `...layers.<i>.<block>.<proj>.lora_<A|B>[.<adapter name>].weight`, with any module prefix before it.
@@ -80,8 +104,8 @@ class PeftAdapter:
 
 def projection_shape(model: ModelConfig, proj: str) -> tuple[int, int]:
     """(out, in) features of a projection of the base model, as its full (unsharded) weight has them."""
-    q, kv, hidden, inter = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
-        model.hidden_size, model.intermediate_size  # fmt: skip
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    hidden, inter = model.hidden_size, model.intermediate_size
     return {
         "q_proj": (q, hidden),
         "k_proj": (kv, hidden),
@@ -191,12 +215,16 @@ def _modules(
     for name in shapes:
         match = _KEY.match(name)
         if match is None or PROJECTIONS.get(match["proj"]) != match["block"]:
-            raise AdapterError(f"{root / WEIGHTS_FILE}: tensor {name!r} is not a LoRA A or B weight of a "
-                               "q/k/v/o/gate/up/down projection; tandem applies nothing else")  # fmt: skip
+            raise AdapterError(
+                f"{root / WEIGHTS_FILE}: tensor {name!r} is not a LoRA A or B weight of a "
+                "q/k/v/o/gate/up/down projection; tandem applies nothing else"
+            )
         layer = int(match["layer"])
         if layer >= model.num_layers:
-            raise AdapterError(f"{root / WEIGHTS_FILE}: tensor {name!r} is for layer {layer}, but the base "
-                               f"model has {model.num_layers} layers")  # fmt: skip
+            raise AdapterError(
+                f"{root / WEIGHTS_FILE}: tensor {name!r} is for layer {layer}, but the base "
+                f"model has {model.num_layers} layers"
+            )
         if allowed is not None and layer not in allowed:
             raise AdapterError(f"{root / WEIGHTS_FILE}: tensor {name!r} is outside layers_to_transform")
         key = (layer, match["proj"])
@@ -219,8 +247,10 @@ def _modules(
         rank_key, alpha_key = pattern_key(rank_pattern, module), pattern_key(alpha_pattern, module)
         want = rank_pattern[rank_key] if rank_key is not None else r
         if a[0] != want:
-            raise AdapterError(f"{root / WEIGHTS_FILE}: layer {layer} {proj} has rank {a[0]}, but "
-                               f"adapter_config.json gives it r={want}")  # fmt: skip
+            raise AdapterError(
+                f"{root / WEIGHTS_FILE}: layer {layer} {proj} has rank {a[0]}, but "
+                f"adapter_config.json gives it r={want}"
+            )
         module_alpha = alpha_pattern[alpha_key] if alpha_key is not None else alpha
         scale = module_alpha / (math.sqrt(a[0]) if rslora else a[0])
         modules.append(LoraModule(layer, proj, a[0], float(scale), ab["A"], ab["B"]))

@@ -10,7 +10,9 @@ nothing, so a grid sized by the token count alone serves every batch of that siz
 
 Under programmatic dependent launch (pdl.py) each kernel loads what the plan or the weights give it (the
 tile entries, A or B of its slot) before its `gdc_wait`, then reads the activations; nothing is written
-before the wait and every program waits. Triton ships with CUDA builds of torch; imported only where it is.
+before the wait and every program waits. The only compile-time switches are the block shapes (fixed per
+layer), the one-stretch form and PDL, so serving builds a handful of kernels, not one per batch size.
+Triton ships with CUDA builds of torch; imported only where it is.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from tandem.engine.layers.pdl import pdl_launch
 from tandem.engine.lora.batch import TILE, max_tiles
 from tandem.engine.lora.delta import LoraDelta
 
-# A program's A block in the one-stretch form (`ITERS` 1): BLOCK_R x BLOCK_K held in registers before the
+# A program's A block in the one-stretch form (`ONE_STRETCH`): BLOCK_R x BLOCK_K held in registers before the
 # PDL wait, as the Triton GEMV holds its weight slice.
 _SHRINK_BLOCK_K = 256
+_LOOP_BLOCK_K = 128
 _MAX_BLOCK_R = 64
+_PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs): the grid size the plans aim at
 
 
 @triton.jit
@@ -57,10 +61,11 @@ def lora_shrink_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     stride_out_row,
     K,
     NR,
+    iters,
     TILE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ITERS: tl.constexpr,
+    ONE_STRETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -75,9 +80,9 @@ def lora_shrink_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     r_mask = r < NR
     a_mask = r < tl.where(work, NR, 0)  # nothing of A is read for a tile with no rows
     a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + r[:, None].to(tl.int64) * K
-    k0 = split * (ITERS * BLOCK_K)
+    k0 = split * (iters * BLOCK_K)
     acc = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
-    if ITERS == 1:
+    if ONE_STRETCH:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
@@ -92,7 +97,7 @@ def lora_shrink_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         if work:
-            for i in range(ITERS):
+            for i in range(iters):
                 ks = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
                 k_mask = ks < K
                 a = tl.load(a_rows + ks[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
@@ -101,6 +106,16 @@ def lora_shrink_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     if work:
         out = out_ptr + split * stride_out_split + tokens[:, None] * stride_out_row + r[None, :]
         tl.store(out, acc, mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _expand_block(s, b, y_ptr, tokens, row_mask, cols, n_mask, stride_y):  # type: ignore[no-untyped-def]
+    """y[tokens, cols] += s @ b^T, in float32, rounded once."""
+    delta = tl.dot(s.to(b.dtype), tl.trans(b))
+    y_ptrs = y_ptr + tokens[:, None] * stride_y + cols[None, :]
+    mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
 @triton.jit
@@ -115,11 +130,13 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     stride_s_row,
     stride_b_slot,
     stride_y,
-    SPLITS: tl.constexpr,
+    splits,
+    n_steps,
     R: tl.constexpr,
     BLOCK_R: tl.constexpr,
     TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -128,45 +145,68 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     work = start < end
     offset = tl.load(slices_ptr + 2 * piece)
     size = tl.load(slices_ptr + 2 * piece + 1)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < size
-    b_mask = n < tl.where(work, size, 0)  # nothing of B is read for a tile with no rows
-    cols = offset + n
+    rows = start + tl.arange(0, TILE)
+    row_mask = rows < end
+    tokens = tl.load(tokens_ptr + rows, mask=row_mask, other=0).to(tl.int64)  # the plan's: pre-graph
     rr = tl.arange(0, BLOCK_R)
     r_mask = rr < R
-    b = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None].to(tl.int64) * R + rr[None, :],
-        mask=b_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    if PDL:  # B and the tile are constants of this graph replay
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    if work:
-        rows = start + tl.arange(0, TILE)
-        row_mask = rows < end
-        tokens = tl.load(tokens_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        s = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
-        s_rows = s_ptr + tokens[:, None] * stride_s_row + piece * R + rr[None, :]
-        for split in range(SPLITS):
-            s += tl.load(s_rows + split * stride_s_split, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        delta = tl.dot(s.to(b.dtype), tl.trans(b))
-        y_ptrs = y_ptr + tokens[:, None] * stride_y + cols[None, :]
-        mask = row_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_b_slot + offset.to(tl.int64) * R + rr[None, :]
+    s_rows = s_ptr + tokens[:, None] * stride_s_row + piece * R + rr[None, :]
+    s_mask = row_mask[:, None] & r_mask[None, :]
+    if ONE_BLOCK:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b_mask = n < tl.where(work, size, 0)  # nothing of B is read for a tile with no rows
+        b = tl.load(b_rows + n[:, None].to(tl.int64) * R, mask=b_mask[:, None] & r_mask[None, :], other=0.0)
+        if PDL:  # B and the tile are constants of this graph replay: loaded under the kernel before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if work:
+            s = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
+            for split in range(splits):
+                s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
+            _expand_block(s, b, y_ptr, tokens, row_mask, offset + n, n < size, stride_y)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if work:
+            s = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)  # summed once for all the program's blocks
+            for split in range(splits):
+                s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
+            for step in range(n_steps):
+                n = (tl.program_id(1) * n_steps + step) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = n < size
+                b = tl.load(
+                    b_rows + n[:, None].to(tl.int64) * R, mask=n_mask[:, None] & r_mask[None, :], other=0.0
+                )
+                _expand_block(s, b, y_ptr, tokens, row_mask, offset + n, n_mask, stride_y)
 
 
 def shrink_plan(tokens: int, k: int, slots: int) -> tuple[int, int, int]:
-    """(splits, BLOCK_K, ITERS) for a shrink of `tokens` rows over an input of `k` features: up to 16 tokens
-    (small decode graphs) one 256-wide stretch per program, held before the PDL wait; more tokens loop
-    over 64-wide blocks, with fewer splits the more tiles there are, so the partials stay small."""
+    """(splits, BLOCK_K, iterations) for a shrink of `tokens` rows over an input of `k` features. Up to 16
+    tokens (decode graphs whose kernels launch with PDL) one 256-wide stretch per program, held before the
+    wait. More tokens loop over 128-wide blocks, the input split so the grid is about two programs an SM
+    (a power of two, fewer the more tiles there are, so the partial sums stay small). Splits and
+    iterations are runtime arguments: no batch size builds a kernel of its own."""
     if tokens <= TILE:
         return triton.cdiv(k, _SHRINK_BLOCK_K), _SHRINK_BLOCK_K, 1
     tiles = max_tiles(tokens, slots)
-    splits = max(1, min(triton.cdiv(k, 512), 128 // tiles))
-    block_k = 64
-    return splits, block_k, triton.cdiv(triton.cdiv(k, splits), block_k)
+    splits = max(1, min(triton.cdiv(k, _SHRINK_BLOCK_K), _PROGRAMS // tiles))
+    splits = 1 << (splits.bit_length() - 1)
+    return splits, _LOOP_BLOCK_K, triton.cdiv(triton.cdiv(k, splits), _LOOP_BLOCK_K)
+
+
+def expand_plan(tokens: int, slots: int, widest: int, slices: int) -> tuple[int, int, int]:
+    """(BLOCK_N, blocks per program, program groups per slice) for an expand: up to 16 tokens one block a
+    program, B held before the PDL wait; more tokens loop over blocks, so each program sums its rows'
+    partials once for all of them, with about four programs an SM over the grid."""
+    if tokens <= TILE:
+        return 64, 1, triton.cdiv(widest, 64)
+    block_n = 64 if tokens <= 256 else 128
+    blocks = triton.cdiv(widest, block_n)
+    groups = max(1, min(blocks, 4 * _PROGRAMS // (max_tiles(tokens, slots) * slices)))
+    steps = triton.cdiv(blocks, groups)
+    return block_n, steps, triton.cdiv(blocks, steps)
 
 
 class TritonLoraOps:
@@ -179,6 +219,7 @@ class TritonLoraOps:
         if x.stride(1) != 1:
             x = x.contiguous()
         splits, block_k, iters = shrink_plan(tokens, k, slots)
+        pdl = plan.pdl or plan.lora_pdl
         grid_tiles = max_tiles(tokens, slots)
         block_r = min(_MAX_BLOCK_R, max(16, int(triton.next_power_of_2(nr))))
         partial = torch.empty(splits, tokens, nr, dtype=torch.float32, device=x.device)
@@ -195,18 +236,18 @@ class TritonLoraOps:
             partial.stride(1),
             k,
             nr,
+            iters,
             TILE=TILE,
             BLOCK_R=block_r,
             BLOCK_K=block_k,
-            ITERS=iters,
+            ONE_STRETCH=tokens <= TILE,
             num_warps=4,
-            **pdl_launch(plan.pdl),
+            **pdl_launch(pdl),
         )
         r = delta.rank
-        block_n = 64 if tokens <= 256 else 128
-        expand: Any = lora_expand_kernel[
-            (grid_tiles, triton.cdiv(delta.max_slice, block_n), len(delta.layout.slices))
-        ]
+        pieces = len(delta.layout.slices)
+        block_n, steps, groups = expand_plan(tokens, slots, delta.max_slice, pieces)
+        expand: Any = lora_expand_kernel[(grid_tiles, groups, pieces)]
         expand(
             partial,
             b,
@@ -218,11 +259,13 @@ class TritonLoraOps:
             partial.stride(1),
             b.stride(0),
             out.stride(0),
-            SPLITS=splits,
+            splits,
+            steps,
             R=r,
             BLOCK_R=max(16, int(triton.next_power_of_2(r))),
             TILE=TILE,
             BLOCK_N=block_n,
+            ONE_BLOCK=tokens <= TILE,
             num_warps=4,
-            **pdl_launch(plan.pdl),
+            **pdl_launch(pdl),
         )

@@ -15,6 +15,7 @@ CASES = [  # (rows, extend lengths, slots per row)
     ("decode", [1] * 7, [0, -1, 2, 0, 1, -1, 2]),
     ("one row", [1], [1]),
     ("prefill", [40, 1, 23, 9], [2, -1, 0, 2]),
+    ("long prefill", [290, 11], [1, 2]),  # wider expand blocks, one split
 ]
 SCRIPT = """
 import json, sys, torch
@@ -41,7 +42,7 @@ for name, lens, slots in json.loads(sys.argv[1]):
             tokens = sum(lens)
             x = torch.randn(tokens, k, generator=g).to(dtype)
             base = torch.randn(tokens, layout.out_features, generator=g).to(dtype)
-            buffers = LoraBatchBuffers(128, S, torch.device("cpu"))
+            buffers = LoraBatchBuffers(512, S, torch.device("cpu"))
             buffers.write(np.array(slots, dtype=np.int32), np.array(lens, dtype=np.int32))
             want = base.float().clone()
             owner = np.repeat(slots, lens)
