@@ -251,8 +251,10 @@ class LLMReplica:
         The caller must `release` the stream when done with it (finished or not)."""
         await self.start()
         self.validate(prompt_token_ids, sampling)
-        if lora is not None and (self.catalog is None or self.catalog.get(lora.name) != lora):
-            raise ValueError(f"the LoRA adapter {lora.name!r} is not loaded on this replica")
+        if lora is not None and not self.options.engine.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        # An adapter unloaded meanwhile (Serve's multiplexing let it go) still runs: the request carries
+        # its path, from which the ranks read it again.
         problem = await self.check_structured(sampling)
         if problem is not None:
             raise ValueError(f"structured_outputs cannot be used: {problem}")

@@ -121,7 +121,7 @@ class LLMServer:
         )
         self._adapters: AdapterRegistry | None = None
         self._lora_metrics: LoraMetrics | None = None
-        if self._replica.lora_enabled:
+        if getattr(self._replica, "lora_enabled", False):
             self._lora_metrics = LoraMetrics(served_model_name)
             self._adapters = await self._adapter_registry(
                 served_model_name, lora_modules or {}, lora_dynamic_path, backend
