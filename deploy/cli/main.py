@@ -13,6 +13,7 @@ BENCHMARKS = {
     "online": "Online serving load against a running server: TTFT, ITL, TPOT, goodput.",
     "decode": "Decode step latency against the memory roofline.",
     "window": "Sliding-window decode at short and long context.",
+    "lora": "Multi-LoRA against the base model: offline throughput and the batch-1 step.",
 }
 
 

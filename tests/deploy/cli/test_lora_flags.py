@@ -18,14 +18,30 @@ def test_lora_flags_set_the_modules_and_the_engine(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"engine": {"max_running": 8}, "lora_modules": {"old": "/x"}}))
     args = build_parser().parse_args(
-        ["serve", "--config", str(config), "--lora-modules", "sql=/a/sql", "chat=s3://b/chat",
-         "--max-loras", "2", "--max-lora-rank", "64", "--max-cpu-loras", "6"]
-    )  # fmt: skip
+        [
+            "serve",
+            "--config",
+            str(config),
+            "--lora-modules",
+            "sql=/a/sql",
+            "chat=s3://b/chat",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "64",
+            "--max-cpu-loras",
+            "6",
+        ]
+    )
     plan = plan_from_cli(args).app_args
     assert plan.lora_modules == {"sql": "/a/sql", "chat": "s3://b/chat"}  # the flag replaces the config's
     assert plan.engine_kwargs() == {
-        "max_running": 8, "max_loras": 2, "max_lora_rank": 64, "max_cpu_loras": 6, "enable_lora": True
-    }  # fmt: skip
+        "max_running": 8,
+        "max_loras": 2,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 6,
+        "enable_lora": True,
+    }
     enabled = plan_from_cli(build_parser().parse_args(["serve", "--enable-lora"])).app_args
     assert enabled.engine_kwargs() == {"enable_lora": True} and enabled.lora_modules is None
     assert plan_from_cli(build_parser().parse_args(["serve"])).app_args.engine_kwargs() == {}
@@ -56,3 +72,13 @@ def test_the_app_hands_the_replicas_their_adapters() -> None:
     assert kwargs["engine"]["enable_lora"] is True
     router = app._bound_deployment._deployment_config.request_router_config
     assert router.request_router_kwargs["served_model_name"] == "tandem-tiny"
+
+
+def test_tandem_bench_lora_reaches_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.deploy.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "lora", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "tandem bench lora" in out and "--preset" in out
