@@ -63,9 +63,12 @@ def model_not_found(model: str, served: str) -> OpenAIError:
 
 def adapter_not_found(name: str) -> OpenAIError:
     return OpenAIError(
-        404, f"The LoRA adapter '{name}' cannot be found.", type="not_found_error", param="lora_name",
+        404,
+        f"The LoRA adapter '{name}' cannot be found.",
+        type="not_found_error",
+        param="lora_name",
         code="model_not_found",
-    )  # fmt: skip
+    )
 
 
 def overloaded(message: str) -> OpenAIError:

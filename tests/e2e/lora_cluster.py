@@ -39,8 +39,9 @@ def _post(base: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
 
 
 def _complete(base: str, model: str, prompt: str) -> dict[str, Any]:
-    status, text = _post(base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8,
-                                                    "temperature": 0})  # fmt: skip
+    status, text = _post(
+        base, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    )
     return {"status": status, "text": json.loads(text)["choices"][0]["text"] if status == 200 else text}
 
 
@@ -98,10 +99,13 @@ def main() -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app_args = {
-            "model": str(model_dir), "served_model_name": "tiny", "device": "cpu", "num_replicas": 2,
+            "model": str(model_dir),
+            "served_model_name": "tiny",
+            "device": "cpu",
+            "num_replicas": 2,
             "lora_modules": {n: str(paths[n]) for n in ADAPTERS[:3]},
             "engine": {"max_loras": 2, "num_pages": 512, "page_size": 4},
-        }  # fmt: skip
+        }
         serve.run(build_app(app_args), name=APP, route_prefix="/")
         handle = serve.get_app_handle(APP)
         result["load"] = _post(

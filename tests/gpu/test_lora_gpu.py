@@ -37,8 +37,15 @@ BATCHES = [  # (extend lengths, slots per row)
 ]
 
 
-def _reference(x: torch.Tensor, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, owner: np.ndarray,
-               slices: list[tuple[int, int]], rank: int) -> torch.Tensor:  # fmt: skip
+def _reference(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    owner: np.ndarray,
+    slices: list[tuple[int, int]],
+    rank: int,
+) -> torch.Tensor:
     want = base.float().clone()
     for t in range(x.shape[0]):
         s = int(owner[t])

@@ -198,9 +198,11 @@ def test_a_config_naming_a_bad_adapter_fails_on_its_first_request(
     naming the problem, and the other adapters keep serving."""
     replica = LoraReplica(LoraCatalog(adapters["config"], 16, True))
     registry = AdapterRegistry(
-        replica, MODEL, modules={"dora": str(adapters["dora"]), "sql": str(adapters["sql"])},
+        replica,
+        MODEL,
+        modules={"dora": str(adapters["dora"]), "sql": str(adapters["sql"])},
         cache_dir=tmp_path,
-    )  # fmt: skip
+    )
     app = build_http_app(OpenAIService(InProcessBackend(replica), MODEL, adapters=registry))
     response = complete(app, "dora")
     assert response.status_code == 400 and "use_dora" in error_of(response)["message"]
