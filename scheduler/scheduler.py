@@ -90,7 +90,7 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids)
+        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids, lora=lora is not None)
         self.grammars = grammars
         self.lora = lora
         self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
