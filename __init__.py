@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.llm import LLM
+    from tandem.scheduler.messages import LoRARequest
     from tandem.scheduler.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from tandem.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from tandem.scheduler.messages import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from tandem.scheduler.sampling_params import SamplingParams
 

@@ -7,14 +7,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tandem.engine.config import check_expert_split_of
+from tandem.engine.config import ModelConfig, check_expert_split_of
 from tandem.engine.distributed import TPGroup
 from tandem.engine.hub import resolve_model_dir
+from tandem.engine.lora.peft_format import read_adapter
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.llm_replica import to_spec
 from tandem.replicas.local_group import RemoteGroup
 from tandem.replicas.request_output import RequestOutput
-from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
+from tandem.scheduler.messages import AbortRequest, AddRequest, LoRARequest, SchedulerMsg, TokenOutput
 from tandem.scheduler.progress import tqdm_progress
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
@@ -24,8 +25,9 @@ class LLM:
     """Offline generation over one model copy. tp_size > 1 runs rank actors on a local Ray cluster.
 
     `engine_options` are the other options of `RuntimeOptions` / `EngineOptions` (scheduler/options.py,
-    engine/options.py), e.g. `quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`, `max_model_len=...`; an
-    unknown name is a TypeError, a bad value a ValueError naming the option.
+    engine/options.py), e.g. `quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`, `max_model_len=...`, or
+    `enable_lora=True, max_loras=4, max_lora_rank=16` for `generate(..., lora_request=...)`; an unknown
+    name is a TypeError, a bad value a ValueError naming the option.
     """
 
     def __init__(
@@ -80,6 +82,8 @@ class LLM:
             self.limits = self.runtime.limits()
         self.vocab_size = self.limits.vocab_size
         self._next_rid = 0
+        self._lora_options = options.engine
+        self._loras: dict[int, str] = {}  # adapter id -> path, each checked once
 
     def _receive(self, blocking: bool) -> list[SchedulerMsg]:
         msgs = list(self._inbox)
@@ -103,13 +107,34 @@ class LLM:
         if reason is not None:
             raise ValueError(reason)
 
+    def _check_lora(self, lora: LoRARequest) -> None:
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a tandem.LoRARequest, got {type(lora).__name__}")
+        if not self._lora_options.enable_lora:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if not isinstance(lora.lora_int_id, int) or lora.lora_int_id < 1:
+            raise ValueError(f"LoRARequest ids must be ints >= 1, got {lora.lora_int_id!r}")
+        known = self._loras.get(lora.lora_int_id)
+        if known is not None and known != lora.lora_path:
+            raise ValueError(
+                f"LoRA id {lora.lora_int_id} is already {known!r}; another adapter needs another id"
+            )
+        if known is None:
+            read_adapter(
+                lora.lora_path, ModelConfig.from_dir(self.model_dir), self._lora_options.max_lora_rank
+            )
+            self._loras[lora.lora_int_id] = lora.lora_path
+
     def generate(
         self,
         prompts: list[str] | list[list[int]],
         sampling: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one per prompt (None: the base model), as
+        vLLM takes it; LLM(..., enable_lora=True) must be set. A bad adapter is a ValueError naming it."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -118,23 +143,38 @@ class LLM:
             params = list(sampling)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = [self._prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
             self._check(i, p)  # everything is validated before anything is admitted
+        for lora in loras:
+            if lora is not None:
+                self._check_lora(lora)
         if self._remote is not None:
-            return self._remote.generate(ids, params, use_tqdm)
-        return self._run(ids, params, use_tqdm)
+            return self._remote.generate(ids, params, use_tqdm, loras)
+        return self._run(ids, params, use_tqdm, loras)
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
+    ) -> list[RequestOutput]:
         results: dict[int, RequestOutput] = {}
         detoks: dict[int, IncrementalDetokenizer] = {}
-        for prompt_ids, p in zip(ids, params):
+        for prompt_ids, p, lora in zip(ids, params, loras):
             rid = self._next_rid
             self._next_rid += 1
             results[rid] = RequestOutput(prompt_token_ids=prompt_ids)
             if p.stop_strings:
                 detoks[rid] = IncrementalDetokenizer(self._token_decoder, prompt_ids, p.stop_strings)
-            self._inbox.append(AddRequest(rid, prompt_ids, to_spec(p)))
+            self._inbox.append(AddRequest(rid, prompt_ids, to_spec(p), lora))
         bar = tqdm(total=len(results), desc="generate", disable=not use_tqdm, unit="req")
         pending = len(results)
         while pending:

@@ -178,7 +178,7 @@ def main() -> None:
         if graphs is not None and graph_bs is not None:
             with torch.inference_mode():  # the graph's static buffers are inference tensors
                 graphs.run(batch, graph_bs)
-            replay_ms = per_call_us(graphs.graphs[graph_bs].replay, reps=10, pairs=5) / 1e3
+            replay_ms = per_call_us(graphs.graphs[(graph_bs, False)].replay, reps=10, pairs=5) / 1e3
         # Kernels inside graph replays may not reach the profiler, so families come from eager steps
         # (the same kernels; only the gaps between them differ). The top list is of graph steps.
         top = [(key[:90], us, count) for key, us, count in kernel_times(engine, batch, 5)[:12]]

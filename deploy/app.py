@@ -55,7 +55,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             model_root=app_args.model or TINY_MODEL_NAME,
             tp_size=app_args.tp_size,
             device=device,
-            engine=app_args.engine.to_llm_kwargs(),
+            engine=app_args.engine_kwargs(),
             placement_strategy=app_args.placement_strategy,
             cpus_per_rank=app_args.cpus_per_rank,
             max_running=app_args.max_ongoing_requests,
@@ -69,6 +69,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             prompt_chars_per_token=app_args.prompt_chars_per_token,
             chat_template=load_chat_template(app_args.chat_template),
             stuck_rank_timeout_s=app_args.stuck_rank_timeout_s,
+            lora_modules=app_args.lora_modules,
+            lora_dynamic_path=app_args.lora_dynamic_path,
         )
     )
     return with_route_ingress(app, app_args)

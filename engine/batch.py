@@ -113,6 +113,8 @@ class ForwardBatch:
     groups: tuple[AttentionGroupBatch, ...]  # indexed by KV group id
     sampling: SamplingBatch
     is_decode: bool  # every row extends by exactly one token
+    # Each row's LoRA adapter slot, -1 for the base model (int32 [B], host); None when no row has one.
+    lora_slots_cpu: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

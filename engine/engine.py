@@ -15,9 +15,10 @@ from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
 from tandem.engine.dummy_weights import init_dummy_weights
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kernel_plan import EAGER, KernelPlanner
+from tandem.engine.kernel_plan import EAGER, EAGER_LORA, KernelPlanner
 from tandem.engine.kv_pool import KVGroupSpec, KVPool, plan_groups
 from tandem.engine.layers.fused import FusedKernels
+from tandem.engine.lora.runtime import EngineLora
 from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM
 from tandem.engine.models.context import ForwardContext
@@ -86,12 +87,31 @@ class Engine:
                 torch.cuda.empty_cache()
         self.model.eval()
         self.capture_seconds = 0.0
+        # LoRA slots come before the graphs, which read them, and before the KV pool is sized.
+        self.lora: EngineLora | None = None
+        if config.lora is not None:
+            graph_tokens = max(
+                config.cuda_graph_max_bs if config.cuda_graph else 0,
+                config.piecewise_max_tokens if config.piecewise_cuda_graph else 0,
+            )
+            self.lora = EngineLora(
+                self.model,
+                mc,
+                config.lora,
+                dtype=config.dtype,
+                device=config.device,
+                graph_tokens=graph_tokens,
+            )
         # Piecewise graphs need no KV pool, so they are captured first and the pool is sized from
         # what is free after weights and graphs.
         self.piecewise: PiecewiseGraphRunner | None = None
         if config.piecewise_cuda_graph:
             self.piecewise = PiecewiseGraphRunner(
-                self.model, max_tokens=config.piecewise_max_tokens, device=config.device, planner=self.planner
+                self.model,
+                max_tokens=config.piecewise_max_tokens,
+                device=config.device,
+                planner=self.planner,
+                lora=self.lora,
             )
             self._timed(self.piecewise.capture)
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
@@ -133,6 +153,7 @@ class Engine:
                 max_pages_per_row=-(-mc.max_position_embeddings // config.page_size),
                 device=config.device,
                 planner=self.planner,
+                lora=self.lora,
             )
             self._timed(self.decode_graphs.capture)
 
@@ -169,16 +190,24 @@ class Engine:
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] for each row's last token, in `model.logits_dtype` (the forward without sampling)."""
+        lora = self.lora
+        adapters = lora is not None and batch.lora_slots_cpu is not None
         graphs = self.decode_graphs
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
         if graphs is not None and graph_bs is not None:
-            return graphs.run(batch, graph_bs)
+            if lora is not None and adapters:
+                lora.plan(batch, graph=True)
+            return graphs.run(batch, graph_bs, lora=adapters)
         self.attention.plan(batch)
-        ctx = ForwardContext(self.attention, self.pool, EAGER)
         bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
         if self.piecewise is not None and bucket is not None:
-            hidden = self.piecewise.run(batch, ctx, bucket)
+            if lora is not None:  # the pieces are captured with the deltas: a base batch plans no tiles
+                lora.plan(batch, graph=True)
+            hidden = self.piecewise.run(batch, ForwardContext(self.attention, self.pool, EAGER), bucket)
         else:
+            if lora is not None and adapters:
+                lora.plan(batch, graph=False)
+            ctx = ForwardContext(self.attention, self.pool, EAGER_LORA if adapters else EAGER)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         if not batch.is_decode:  # decode rows are their own last token
             hidden = hidden[torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1]

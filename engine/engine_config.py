@@ -60,6 +60,16 @@ class DeviceFacts:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA, resolved: the slots, the rank they hold, and which kernels apply the deltas ("triton"
+    on CUDA where Triton imports, else the "torch" reference)."""
+
+    max_loras: int
+    max_lora_rank: int
+    kernels: str = "torch"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings after resolution. `num_pages` None means: size the pool from free memory.
 
@@ -96,6 +106,7 @@ class EngineConfig:
     max_batch_size: int = 256
     expert_parallel: bool = False  # MoE layers hold whole experts per rank (EngineOptions)
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights drawn on the device
+    lora: LoraConfig | None = None  # None: LoRA off
 
     def switches(self) -> dict[str, object]:
         """The engine's ablation switches as plain values, for benchmark result files."""
@@ -116,6 +127,7 @@ class EngineConfig:
             "kv_cache_dtype": None
             if self.kv_cache_dtype is None
             else str(self.kv_cache_dtype).removeprefix("torch."),
+            "lora": None if self.lora is None else dataclasses.asdict(self.lora),
             "page_size": self.page_size,
             "expert_parallel": self.expert_parallel,
             "load_format": self.load_format,
@@ -256,4 +268,12 @@ def resolve_engine_config(
         kv_cache_dtype=kv_dtype,
         expert_parallel=opts.enable_expert_parallel,
         load_format=opts.load_format,
+        lora=_lora(opts, facts),
     )
+
+
+def _lora(opts: EngineOptions, facts: DeviceFacts) -> LoraConfig | None:
+    if not opts.enable_lora:
+        return None
+    kernels = "triton" if facts.cuda and facts.triton else "torch"
+    return LoraConfig(opts.max_loras, opts.max_lora_rank, kernels)

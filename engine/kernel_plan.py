@@ -28,9 +28,16 @@ class KernelPlan:
     pdl: bool = False  # Triton kernels and tinygemm launch with programmatic dependent launch
     tinygemm: bool = False  # GEMMs of the shapes tinygemm wins (`Linear.tinygemm_fits`) run as tinygemm
     gemv: bool = False  # GEMMs run as the Triton GEMV (layers/triton_gemv.py), ahead of tinygemm
+    # Some rows run with a LoRA adapter: the linear layers add their deltas (engine/lora/). Graphs are
+    # captured with and without it, so a batch of base rows alone runs none of the LoRA kernels.
+    lora: bool = False
+    # The LoRA kernels launch with PDL in every graph where PDL is available (they are a chain of two,
+    # each safe after any kernel: one that does not release its dependents early is simply waited for).
+    lora_pdl: bool = False
 
 
 EAGER = KernelPlan()
+EAGER_LORA = KernelPlan(lora=True)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class KernelPlanner:
     pdl_rows: int = 0
     tinygemm_rows: int = 0
     gemv_rows: int = 0
+    lora_pdl: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> KernelPlanner:
@@ -52,6 +60,7 @@ class KernelPlanner:
             pdl_rows=config.pdl_max_bs,
             tinygemm_rows=config.small_gemm_max_bs,
             gemv_rows=config.gemv_max_bs,
+            lora_pdl=config.pdl_max_bs > 0,
         )
 
     def decode(self, batch_size: int) -> KernelPlan:
@@ -70,4 +79,5 @@ class KernelPlanner:
             pdl=rows <= self.pdl_rows,
             tinygemm=rows <= self.tinygemm_rows,
             gemv=rows <= self.gemv_rows,
+            lora_pdl=self.lora_pdl,
         )

@@ -170,5 +170,14 @@ class EngineOptions:
         ge=0,
     )
 
+    # Multi-LoRA (engine/lora/): the GPU slots and the rank they are padded to.
+    enable_lora: bool = option(
+        False, "Serve PEFT LoRA adapters on top of the base model (requests name one; batches mix them)."
+    )
+    max_loras: int = option(
+        4, "Adapters one running batch may use at once: GPU slots of fixed buffers, loaded as needed.", ge=1
+    )
+    max_lora_rank: int = option(16, "Largest adapter rank served; every slot is sized for it.", ge=1, le=512)
+
     def __post_init__(self) -> None:
         check_fields(self)

@@ -9,6 +9,7 @@ so variable lengths, prefixes and window-evicted page lists never enter a graph.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from tandem.engine.batch import ForwardBatch
 from tandem.engine.cuda_graph import capturing
 from tandem.engine.graph_buckets import padded_size, token_buckets
 from tandem.engine.kernel_plan import EAGER, KernelPlan, KernelPlanner
+from tandem.engine.lora.runtime import EngineLora
 from tandem.engine.models.common import CausalLM
 from tandem.engine.models.context import ForwardContext
 
@@ -33,6 +35,8 @@ class PiecewiseGraphRunner:
     with real rows, and attention never sees them.
 
     Each bucket's `KernelPlan` is resolved once, here; without graphs every bucket runs the eager plan.
+    With LoRA on, the pieces are captured with the layers' deltas only: a prefill batch's GEMMs dwarf the
+    LoRA kernels' launches, so base batches run them too, over no tiles (the engine plans every batch).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class PiecewiseGraphRunner:
         device: torch.device,
         use_graphs: bool = True,
         planner: KernelPlanner | None = None,
+        lora: EngineLora | None = None,
     ) -> None:
         body = model.model
         specs = {(s.num_heads, s.num_kv_heads, s.head_dim) for s in model.layer_specs()}
@@ -56,8 +61,10 @@ class PiecewiseGraphRunner:
         self.buckets = token_buckets(max_tokens)
         planner = planner or KernelPlanner()
         self.plans: dict[int, KernelPlan] = {
-            t: planner.piecewise(t) if use_graphs else EAGER for t in self.buckets
+            t: dataclasses.replace(planner.piecewise(t) if use_graphs else EAGER, lora=lora is not None)
+            for t in self.buckets
         }
+        self.lora = lora
         t = self.buckets[-1]
         dtype = body.embed_tokens.weight.dtype
         hidden = body.embed_tokens.hidden_size
@@ -104,6 +111,8 @@ class PiecewiseGraphRunner:
         memory = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
+        if self.lora is not None:
+            self.lora.use_graph_buffers()
         torch.cuda.synchronize(self.device)
         stream.wait_stream(current)
         for t in reversed(self.buckets):  # largest first, so smaller buckets fit in its memory

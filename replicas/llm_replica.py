@@ -17,16 +17,24 @@ from typing import Any
 
 from tandem.cluster import placement
 from tandem.cluster.rendezvous import node_ip
-from tandem.engine.config import check_expert_split_of
+from tandem.engine.config import ModelConfig, check_expert_split_of
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.channel import ReplicaChannel
 from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tandem.replicas.lora_catalog import LoraCatalog
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
 from tandem.replicas.watchdog import Problem, RankWatchdog, ReplicaUnhealthy, task_died
 from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
-from tandem.scheduler.messages import AbortRequest, AddRequest, TokenOutput
+from tandem.scheduler.messages import (
+    AbortRequest,
+    AddRequest,
+    LoadLora,
+    LoRARequest,
+    TokenOutput,
+    UnloadLora,
+)
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams, to_spec
 
@@ -75,6 +83,7 @@ class LLMReplica:
         self._draining = False
         self._start_lock = asyncio.Lock()
         self._grammars: GrammarCache | None = None  # compiles only to validate: the ranks keep their own
+        self.catalog: LoraCatalog | None = None  # the adapters served by name, once started
 
     @staticmethod
     def placement_bundles(
@@ -121,8 +130,9 @@ class LLMReplica:
 
         weights = self.options.engine.load_format != "dummy"  # dummy: config and tokenizer only
         model_dir = resolve_model_dir(self.model, weights=weights) if self.model else default_model_dir()
-        ep = self.options.engine.enable_expert_parallel
-        check_expert_split_of(model_dir, self.tp_size, expert_parallel=ep)  # before any rank starts
+        engine = self.options.engine
+        check_expert_split_of(model_dir, self.tp_size, expert_parallel=engine.enable_expert_parallel)
+        self.catalog = LoraCatalog(ModelConfig.from_dir(model_dir), engine.max_lora_rank, engine.enable_lora)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._decoder = TokenDecoder(self.tokenizer)
         use_gpu = self._uses_gpu()
@@ -199,18 +209,60 @@ class LLMReplica:
             return f"it took longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile"
         return None
 
+    # ---- LoRA adapters -------------------------------------------------------------------------
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serve the adapter at `path` (a local PEFT directory) as `name`: checked against the model
+        (ValueError naming what is wrong), then read into the ranks' host caches."""
+        await self.start()
+        assert self.catalog is not None and self._channel is not None
+        lora, new = await asyncio.to_thread(self.catalog.add, name, path)
+        if new:
+            await self._channel.send(LoadLora(lora))
+        return lora
+
+    async def remove_lora(self, name: str) -> bool:
+        """Stop serving `name` (False if it is not served); requests running with it finish."""
+        await self.start()
+        assert self.catalog is not None and self._channel is not None
+        lora = self.catalog.remove(name)
+        if lora is not None:
+            await self._channel.send(UnloadLora(lora.id))
+        return lora is not None
+
+    async def check_lora(self, path: str) -> None:
+        """Raise ValueError naming what keeps the adapter at `path` from being served here."""
+        await self.start()
+        assert self.catalog is not None
+        await asyncio.to_thread(self.catalog.check, path)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.options.engine.enable_lora
+
+    def lora(self, name: str) -> LoRARequest | None:
+        return None if self.catalog is None else self.catalog.get(name)
+
+    def loras(self) -> list[LoRARequest]:
+        return [] if self.catalog is None else self.catalog.all()
+
     async def submit(
         self,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
         listener: Callable[[], None] | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate the request and send it to the ranks; its output arrives in the returned stream.
+        `lora`: an adapter from `add_lora` (None: the base model).
 
         The caller must `release` the stream when done with it (finished or not)."""
         await self.start()
         self.validate(prompt_token_ids, sampling)
+        if lora is not None and not self.options.engine.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        # An adapter unloaded meanwhile (Serve's multiplexing let it go) still runs: the request carries
+        # its path, from which the ranks read it again.
         problem = await self.check_structured(sampling)
         if problem is not None:
             raise ValueError(f"structured_outputs cannot be used: {problem}")
@@ -226,7 +278,7 @@ class LLMReplica:
         )
         self._streams[rid] = stream
         try:
-            await self._channel.send(AddRequest(rid, prompt_token_ids, to_spec(sampling)))
+            await self._channel.send(AddRequest(rid, prompt_token_ids, to_spec(sampling), lora))
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -243,10 +295,14 @@ class LLMReplica:
                 await asyncio.wait_for(self._channel.send(AbortRequest(stream.rid)), ABORT_SEND_TIMEOUT_S)
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[GenerationChunk]:
         """`submit`, then each chunk as it is taken; closing the generator early aborts the request."""
-        stream = await self.submit(prompt_token_ids, sampling, request_id)
+        stream = await self.submit(prompt_token_ids, sampling, request_id, lora=lora)
         try:
             while True:
                 chunk = await stream.next_chunk()

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from tandem.cluster.ray_cluster import ensure_ray
 from tandem.replicas.llm_replica import LLMReplica
 from tandem.replicas.request_output import RequestOutput
+from tandem.scheduler.messages import LoRARequest
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams
 
@@ -36,13 +37,23 @@ class RemoteGroup:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(
-        self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
 
-        async def one(prompt: list[int], p: SamplingParams) -> RequestOutput:
+        async def served(lora: LoRARequest | None) -> LoRARequest | None:
+            # The replica names its adapters; the caller's id keeps two adapters of one name apart.
+            if lora is None:
+                return None
+            return await self.replica.add_lora(f"{lora.lora_name}#{lora.lora_int_id}", lora.lora_path)
+
+        async def one(prompt: list[int], p: SamplingParams, lora: LoRARequest | None) -> RequestOutput:
             out = RequestOutput(prompt_token_ids=prompt)
-            async for chunk in self.replica.generate(prompt, p):
+            async for chunk in self.replica.generate(prompt, p, lora=await served(lora)):
                 out.token_ids.extend(chunk.token_ids)
                 out.text += chunk.text
                 out.logprobs.extend(chunk.logprobs or [])
@@ -55,7 +66,8 @@ class RemoteGroup:
             return out
 
         async def all_of() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(one(i, p) for i, p in zip(ids, params))))
+            chosen = loras or [None] * len(ids)
+            return list(await asyncio.gather(*(one(i, p, a) for i, p, a in zip(ids, params, chosen))))
 
         try:
             return self._run(all_of())

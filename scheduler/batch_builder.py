@@ -50,13 +50,21 @@ class PreparedBatch:
     sampling: SamplingBatch
     history_index: torch.Tensor | None  # int64 [B, L] token-pool indices, -1 past each row's length
     is_decode: bool
+    lora_slots_cpu: torch.Tensor | None = None  # int32 [B]: each row's adapter slot; None: no adapters
 
 
 class BatchBuilder:
     def __init__(
-        self, table: RequestTable, kv: KVManager, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+        self,
+        table: RequestTable,
+        kv: KVManager,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        lora: bool = False,
     ) -> None:
         self.table = table
+        self.lora = lora  # whether rows may carry a LoRA slot (the engine has LoRA on)
         self.kv = kv
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
@@ -95,6 +103,11 @@ class BatchBuilder:
         device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
         sampling = self._stage_sampling(stage, rows, slots, device_lens)
         history = self._stage_history(stage, slots, device_lens)
+        lora = (
+            np.fromiter((r.req.lora_slot for r in rows), dtype=np.int32, count=len(rows))
+            if self.lora
+            else None
+        )
         sent = stage.send()
         dev, host = sent.device, sent.host
         return PreparedBatch(
@@ -120,6 +133,7 @@ class BatchBuilder:
             sampling=sampling.build(sent),
             history_index=None if history is None else dev(history),
             is_decode=is_decode,
+            lora_slots_cpu=torch.from_numpy(lora) if lora is not None and (lora >= 0).any() else None,
         )
 
     def _stage_group(

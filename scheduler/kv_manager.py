@@ -33,6 +33,15 @@ class _Pending:
     owner: Request | None
 
 
+def cache_key(req: Request, tokens: list[int]) -> list[int]:
+    """The radix cache's key for a request's tokens. KV computed under a LoRA adapter is that adapter's
+    own (its k/v projections differ), so the first token carries the adapter id above the token ids'
+    range: each adapter's prefixes then live in a subtree of their own, apart from the base model's."""
+    if req.lora is None or not tokens:
+        return tokens
+    return [tokens[0] + (req.lora.id << 32), *tokens[1:]]
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -119,7 +128,7 @@ class KVManager:
         if self.cache is None:
             return 0
         usable = (req.prompt_len - 1) // self.page_size * self.page_size
-        match = self.cache.match_prefix(req.prompt_ids[:usable], count=False)
+        match = self.cache.match_prefix(cache_key(req, req.prompt_ids[:usable]), count=False)
         if match.num_tokens == 0:
             return usable
         self.cache.lock(match.handle)
@@ -217,7 +226,7 @@ class KVManager:
         whole = computed // self.page_size
         if whole == 0:
             return pages if req.cached_prefix == 0 else pages[req.cached_prefix // self.page_size :]
-        already = self.cache.insert(token_ids[: whole * self.page_size], pages[:whole])
+        already = self.cache.insert(cache_key(req, token_ids[: whole * self.page_size]), pages[:whole])
         mine = req.cached_prefix // self.page_size  # pages that came from the tree itself
         already_pages = already // self.page_size
         return pages[mine:already_pages] + pages[whole:]

@@ -37,17 +37,52 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     grammar: GrammarSpec | None = None
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """A LoRA adapter to run a request with, as vLLM names it: `LoRARequest(lora_name, lora_int_id,
+    lora_path)`, with `lora_path` a local PEFT adapter directory. The id identifies the adapter to the
+    ranks (their caches and slots are keyed by it): one id, one adapter; ids start at 1."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True):
     rid: int
     prompt_ids: list[int]
     sampling: SamplingSpec
+    lora: LoRARequest | None = None  # None: the base model
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
     rid: int
 
 
-SchedulerMsg = AddRequest | AbortRequest
+class LoadLora(msgspec.Struct, frozen=True, tag=True):
+    """Read an adapter into every rank's host cache now, before requests name it."""
+
+    lora: LoRARequest
+
+
+class UnloadLora(msgspec.Struct, frozen=True, tag=True):
+    """Drop an adapter from the ranks' caches and slots, once no running request uses it."""
+
+    lora_int_id: int
+
+
+SchedulerMsg = AddRequest | AbortRequest | LoadLora | UnloadLora
 
 
 class TokenOutput(msgspec.Struct, frozen=True):

@@ -30,6 +30,12 @@ class RuntimeOptions:
     max_model_len: int | None = option(
         None, "Longest prompt plus output in tokens; unset uses the model's own limit.", ge=1
     )
+    max_cpu_loras: int | None = option(
+        None,
+        "LoRA adapters each rank keeps read in host memory (beyond those in GPU slots, which are reloaded "
+        "from it); unset: twice max_loras.",
+        ge=1,
+    )
     guard_inflight_pages: bool = option(
         False, "Check that no page in use by a running step is handed out again (debugging).", user=False
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.scheduler.grammar import GrammarState
-from tandem.scheduler.messages import SamplingSpec
+from tandem.scheduler.messages import LoRARequest, SamplingSpec
 
 _SEED_MASK = (1 << 62) - 1
 
@@ -38,6 +38,8 @@ class Request:
     last_batch: int = -1  # id of the latest batch this request was scheduled in
     released: bool = False  # its pages have gone back to the pool or the prefix cache
     grammar: GrammarState | None = None  # its structured-output matcher, if it has a constraint
+    lora: LoRARequest | None = None  # its adapter; None: the base model
+    lora_slot: int = -1  # the GPU slot its adapter is in while it runs
 
     # Cached: read several times per request per step, and prompt_ids never changes.
     prompt_len: int = field(init=False)

@@ -19,6 +19,7 @@ from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
+from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.options import RuntimeOptions
 from tandem.scheduler.scheduler import InFlight, MessageSource, Scheduler
@@ -36,6 +37,8 @@ class RuntimeLimits:
     max_seq_len: int
     vocab_size: int
     max_running: int  # requests the scheduler runs at once; more wait in its queue
+    max_loras: int = 0  # LoRA adapters one batch may use (GPU slots); 0: LoRA off
+    max_lora_rank: int = 0
 
     def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
         return admission_error(
@@ -95,8 +98,12 @@ class RankRuntime:
             guard_inflight_pages=options.guard_inflight_pages,
         )
         grammars = GrammarCache(lambda: _tokenizer_info(model_dir, mc.eos_token_ids))
+        lora = None
+        if self.engine.lora is not None and config.lora is not None:
+            cached = options.max_cpu_loras or 2 * config.lora.max_loras
+            lora = AdapterSlots(self.engine.lora, config.lora.max_loras, cached)
         self.scheduler = Scheduler(
-            sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit, grammars=grammars
+            sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit, grammars=grammars, lora=lora
         )
         self.overlap = options.overlap
         self._last: InFlight | None = None
@@ -122,6 +129,8 @@ class RankRuntime:
             max_seq_len=self.max_seq_len,
             vocab_size=self.engine.model_config.vocab_size,
             max_running=self.scheduler.config.max_running,
+            max_loras=lora.max_loras if (lora := self.engine.config.lora) is not None else 0,
+            max_lora_rank=lora.max_lora_rank if lora is not None else 0,
         )
 
 

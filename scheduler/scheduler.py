@@ -6,6 +6,7 @@ every decision is deterministic.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -19,7 +20,15 @@ from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.kv_manager import KVManager
-from tandem.scheduler.messages import AbortRequest, AddRequest, SchedulerMsg, TokenOutput
+from tandem.scheduler.lora_slots import AdapterSlots
+from tandem.scheduler.messages import (
+    AbortRequest,
+    AddRequest,
+    LoadLora,
+    SchedulerMsg,
+    TokenOutput,
+    UnloadLora,
+)
 from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
 from tandem.scheduler.step_timer import StepTimer
@@ -53,6 +62,9 @@ class InFlight:
 
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]
+logger = logging.getLogger(__name__)
+# Waiting requests one pass may step over because their adapter has no slot, before it stops looking.
+MAX_PASSED_OVER = 256
 
 
 class Scheduler:
@@ -67,6 +79,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         emit: Callable[[list[TokenOutput]], None],
         grammars: GrammarCache | None = None,
+        lora: AdapterSlots | None = None,
     ) -> None:
         self.config = config
         self.timer = StepTimer()  # wall time per loop phase (see step_timer.py)
@@ -77,8 +90,9 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids)
+        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids, lora=lora is not None)
         self.grammars = grammars
+        self.lora = lora
         self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self._planned: PreparedBatch | None = None  # the overlap loop's next batch, when planned early
         self.has_window = any(g.window is not None for g in kv.groups)
@@ -97,8 +111,12 @@ class Scheduler:
                 # The replica validates first; this only keeps a bad message from queueing forever.
                 self.results.emit_finish(msg.rid, "abort")
                 return
+            if msg.lora is not None and (self.lora is None or self.lora.prefetch(msg.lora) is not None):
+                # The replica checks adapters first; this only keeps one that cannot be read from waiting.
+                self.results.emit_finish(msg.rid, "abort")
+                return
             seed = Request.derive_seed(self.config.seed, msg.rid, msg.sampling.seed)
-            req = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed)
+            req = Request(msg.rid, list(msg.prompt_ids), msg.sampling, seed, lora=msg.lora)
             if msg.sampling.grammar is not None:
                 if self.grammars is None:
                     self.results.emit_finish(msg.rid, "abort")
@@ -108,6 +126,12 @@ class Scheduler:
             self.waiting[msg.rid] = req
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid)
+        elif isinstance(msg, LoadLora) and self.lora is not None:
+            problem = self.lora.prefetch(msg.lora)
+            if problem is not None:
+                logger.warning("LoRA adapter %r not read: %s", msg.lora.name, problem)
+        elif isinstance(msg, UnloadLora) and self.lora is not None:
+            self.lora.forget(msg.lora_int_id)
 
     def _abort(self, rid: int) -> None:
         if rid in self.waiting:
@@ -144,22 +168,8 @@ class Scheduler:
             else:
                 continue
             rows.append(self._row(req, length, newest_launched))
-        while self.waiting and budget > 0 and self.table.num_free > 0:
-            req = next(iter(self.waiting.values()))
-            total = min(req.prompt_len + req.sampling.max_tokens, self.config.max_seq_len)
-            if not self.kv.admit(req, total):
-                break  # FIFO: wait for pages instead of letting later requests overtake
-            del self.waiting[req.rid]
-            req.slot = self.table.acquire()
-            self.builder.admit(req)
-            self.running[req.rid] = req
-            with self.streams.use(self.streams.scheduler):
-                self.table.write_prompt(req.slot, req.prompt_ids, self.device.type == "cuda")
-            for g in range(len(self.kv.groups)):
-                self.table.set_pages(g, req.slot, 0, req.pages[g])
-            length = min(req.prompt_len - req.kv_len, budget)
-            budget -= length
-            rows.append(self._row(req, length, newest_launched))
+        if self.waiting and budget > 0 and self.table.num_free > 0:
+            self._admit(rows, budget, newest_launched)
         if not rows:
             return None
         batch_id = self.next_batch_id
@@ -173,6 +183,56 @@ class Scheduler:
         if self.config.guard_inflight_pages:
             self.inflight_pages[batch_id] = self._pages_read(rows)
         return prepared
+
+    def _admit(self, rows: list[Row], budget: int, newest_launched: int) -> None:
+        """Admit waiting requests in order while the budget, the table and the KV pool allow: FIFO for
+        pages (a request that does not fit stops admission, so later ones never overtake it for pages).
+        A request whose adapter has no slot is stepped over (lora_slots.py), keeping its place."""
+        if self.lora is not None:
+            self.lora.begin_pass()
+        taken: list[int] = []
+        passed_over = 0
+        for req in self.waiting.values():
+            if budget <= 0 or self.table.num_free == 0 or passed_over > MAX_PASSED_OVER:
+                break
+            if req.lora is not None and not self._take_adapter(req, taken):
+                passed_over += 1
+                continue
+            total = min(req.prompt_len + req.sampling.max_tokens, self.config.max_seq_len)
+            if not self.kv.admit(req, total):
+                if req.lora is not None and self.lora is not None:
+                    self.lora.release(req.lora.id)
+                    req.lora_slot = -1
+                break
+            taken.append(req.rid)
+            req.slot = self.table.acquire()
+            self.builder.admit(req)
+            self.running[req.rid] = req
+            with self.streams.use(self.streams.scheduler):
+                self.table.write_prompt(req.slot, req.prompt_ids, self.device.type == "cuda")
+            for g in range(len(self.kv.groups)):
+                self.table.set_pages(g, req.slot, 0, req.pages[g])
+            length = min(req.prompt_len - req.kv_len, budget)
+            budget -= length
+            rows.append(self._row(req, length, newest_launched))
+        for rid in taken:
+            del self.waiting[rid]
+
+    def _take_adapter(self, req: Request, taken: list[int]) -> bool:
+        """Give a waiting request its adapter's slot (loading it there on the scheduler stream, ahead of
+        the batch), or say it must wait; one whose adapter can no longer be read ends (abort)."""
+        assert req.lora is not None and self.lora is not None
+        if not self.lora.admissible(req.lora):
+            return False
+        try:
+            with self.streams.use(self.streams.scheduler):
+                req.lora_slot = self.lora.acquire(req.lora)
+        except (OSError, ValueError) as exc:
+            logger.warning("request %d: LoRA adapter %r cannot be read: %s", req.rid, req.lora.name, exc)
+            taken.append(req.rid)
+            self.results.emit_finish(req.rid, "abort")
+            return False
+        return True
 
     def _row(self, req: Request, length: int, newest_launched: int) -> Row:
         start = req.kv_len
@@ -222,6 +282,7 @@ class Scheduler:
             groups=prepared.groups,
             sampling=sampling,
             is_decode=prepared.is_decode,
+            lora_slots_cpu=prepared.lora_slots_cpu,
         )
         rows = prepared.rows
         grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
@@ -287,6 +348,8 @@ class Scheduler:
             return
         self.kv.release(req, req.prompt_ids + req.output_ids)
         self.table.release(req.slot)
+        if req.lora is not None and self.lora is not None:
+            self.lora.release(req.lora.id)
         del self.running[req.rid]
 
     # ---- the loops -------------------------------------------------------------------------
@@ -344,4 +407,6 @@ class Scheduler:
         stats["num_running"] = sum(1 for r in self.running.values() if r.finish_reason is None)
         stats["num_waiting"] = len(self.waiting)
         stats["step_phases"] = self.timer.summary()
+        if self.lora is not None:
+            stats.update(self.lora.stats())
         return stats

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "window": "Sliding-window decode at short and long context.",
     "moe": "Mixture of experts (Qwen3-30B-A3B shape, dummy weights): offline, decode, expert GEMMs.",
     "batch": "tandem.batch over Ray Data against LLM.generate on the offline workload.",
+    "lora": "Multi-LoRA against the base model: offline throughput and the batch-1 step.",
 }
 
 
@@ -78,6 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="'dummy': random weights from config.json alone, no checkpoint read, for benchmarks "
         "(engine.load_format; default auto).",
+    )
+    lora = serve.add_argument_group("LoRA adapters (vLLM's flags; docs/serve-config.md#lora-adapters)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=None,
+        help="PEFT adapters to serve by name (a local directory or a URI each); requests name one as "
+        "their `model`. Turns LoRA on.",
+    )
+    lora.add_argument("--enable-lora", action="store_true", default=None, help="Serve LoRA adapters.")
+    lora.add_argument("--max-loras", type=_positive_int, help="Adapters in one running batch (GPU slots).")
+    lora.add_argument("--max-lora-rank", type=_positive_int, help="Largest adapter rank served.")
+    lora.add_argument("--max-cpu-loras", type=_positive_int, help="Adapters each rank keeps in host memory.")
+    lora.add_argument(
+        "--lora-dynamic-path",
+        default=None,
+        help="A folder of adapters: `<model>:<name>` loads <folder>/<name> on first use. Turns LoRA on.",
     )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(

@@ -56,10 +56,19 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     overrides["served_model_name"] = args.served_model_name
     overrides["api_key"] = getattr(args, "api_key", None)
     overrides["chat_template"] = getattr(args, "chat_template", None)
+    overrides["lora_modules"] = getattr(args, "lora_modules", None)
+    overrides["lora_dynamic_path"] = getattr(args, "lora_dynamic_path", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
     engine = {
-        "enable_expert_parallel": getattr(args, "enable_expert_parallel", None),
-        "load_format": getattr(args, "load_format", None),
+        k: getattr(args, k, None)
+        for k in (
+            "enable_expert_parallel",
+            "load_format",
+            "enable_lora",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
+        )
     }
     engine = {k: v for k, v in engine.items() if v is not None}
     if engine:  # flags override the config's engine block, field by field

@@ -7,9 +7,10 @@ deploy time with the offending field named instead of being silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tandem.deploy.config.option_schema import options_model
 from tandem.engine.options import EngineOptions
@@ -105,8 +106,7 @@ class AppArgs(BaseModel):
     model: str | None = Field(
         default=None,
         min_length=1,
-        description="Hugging Face hub id or local model directory; "
-        "unset serves the demo model on CPU.",
+        description="Hugging Face hub id or local model directory; unset serves the demo model on CPU.",
     )
     served_model_name: str | None = Field(
         default=None,
@@ -190,12 +190,60 @@ class AppArgs(BaseModel):
         description="A Jinja chat template file, or the template itself, replacing the tokenizer's. "
         "Clients can never choose the template.",
     )
+    # -- LoRA adapters (docs/serve-config.md#lora-adapters) -----------------------------------------
+    lora_modules: dict[str, str] | None = Field(
+        default=None,
+        description="LoRA adapters served by name: {name: path}, or vLLM's list of 'name=path' entries "
+        "(or JSON objects with name and path); each path a PEFT adapter directory or a URI fsspec or "
+        "smart_open reads. A request names one as its `model` (or `<served_model_name>:<name>`). Turns "
+        "engine.enable_lora on.",
+    )
+    lora_dynamic_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A folder of adapters (local, or a URI fsspec or smart_open reads): a request for "
+        "`<served_model_name>:<name>` serves `<folder>/<name>`, loaded on first use (Ray Serve LLM's "
+        "dynamic LoRA loading). Turns engine.enable_lora on.",
+    )
     stuck_rank_timeout_s: float = Field(
         default=DEFAULT_STUCK_RANK_TIMEOUT_S,
         gt=0.0,
         description="A rank that has work but has not finished a step for this long fails the replica's "
         "health, and its requests end with an error.",
     )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            return value
+        modules: dict[str, str] = {}
+        for entry in value:
+            name, path = _lora_module(entry)
+            if name in modules:
+                raise ValueError(f"lora_modules names {name!r} twice")
+            modules[name] = path
+        return modules
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> AppArgs:
+        wanted = bool(self.lora_modules) or self.lora_dynamic_path is not None
+        if wanted and "enable_lora" in self.engine.model_fields_set and not self.engine.enable_lora:
+            raise ValueError("lora_modules and lora_dynamic_path need engine.enable_lora, which is false")
+        for name in self.lora_modules or {}:
+            if not name or ":" in name or name == self.resolved_served_model_name():
+                raise ValueError(f"lora_modules: {name!r} cannot name an adapter (no ':', not the base name)")
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine's options for every replica (`EngineArgs.to_llm_kwargs`), LoRA on when adapters are
+        configured."""
+        kwargs = self.engine.to_llm_kwargs()
+        if self.lora_modules or self.lora_dynamic_path is not None:
+            kwargs["enable_lora"] = True
+        return kwargs
 
     @model_validator(mode="after")
     def _check_replicas(self) -> AppArgs:
@@ -233,3 +281,24 @@ class AppArgs(BaseModel):
             if self.accelerator_type is not None:
                 bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return bundle
+
+
+def _lora_module(entry: Any) -> tuple[str, str]:
+    """(name, path) of one `lora_modules` entry: 'name=path', or a JSON object with name and path."""
+    raw: Any
+    if isinstance(entry, dict):
+        raw = entry
+    elif isinstance(entry, str) and entry.lstrip().startswith("{"):
+        try:
+            raw = json.loads(entry)
+        except ValueError as exc:
+            raise ValueError(f"lora_modules entry {entry!r} is not valid JSON: {exc}") from None
+    elif isinstance(entry, str) and "=" in entry:
+        name, path = entry.split("=", 1)
+        raw = {"name": name, "path": path}
+    else:
+        raise ValueError(f"lora_modules entry {entry!r} must be 'name=path' or {{'name', 'path'}}")
+    name, path = raw.get("name"), raw.get("path")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ValueError(f"lora_modules entry {entry!r} needs a non-empty name and path")
+    return name, path

@@ -68,13 +68,33 @@ class ReplicaBackend:
             return ["no_replica"]
         return [None if not isinstance(r, BaseException) else _reason(r) for r in results]
 
-    async def _broadcast(self, method: str) -> list[Any]:
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
         if self._handle is None and self._deployment_handle is not None:
             self._handle = self._deployment_handle()
         if self._handle is None:
             return []  # outside Serve: no deployment to ask
-        broadcast = self._handle.broadcast(method)
+        broadcast = self._handle.broadcast(method, *args)
         return list(await broadcast.results_async(timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True))
+
+    async def announce(self, method: str, args: tuple[Any, ...]) -> None:
+        """Call `method(*args)` on every running replica of the deployment (this one included), as a
+        control message: a replica that fails or is gone is logged and skipped."""
+        try:
+            results = await self._broadcast(method, *args)
+        except (DeploymentUnavailableError, TimeoutError) as exc:
+            logger.warning("could not tell the replicas %s: %s", method, exc)
+            return
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("a replica failed %s: %s", method, result)
+
+    async def gather(self, method: str) -> list[Any]:
+        """`method()`'s answers from every running replica that gives one (none: an empty list)."""
+        try:
+            results = await self._broadcast(method)
+        except (DeploymentUnavailableError, TimeoutError):
+            return []
+        return [r for r in results if not isinstance(r, BaseException)]
 
 
 def _reason(exc: BaseException) -> str:

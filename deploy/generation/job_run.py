@@ -21,6 +21,7 @@ from tandem.deploy.protocol.jobs import ChoiceDelta, GenerateJob, JobAccepted
 from tandem.deploy.protocol.logprobs import TokenStrings
 from tandem.replicas.chunks import GenerationChunk
 from tandem.replicas.request_stream import RequestStream
+from tandem.scheduler.messages import LoRARequest
 from tandem.scheduler.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Submitter(Protocol):
         sampling: SamplingParams,
         request_id: str | None = None,
         listener: Callable[[], None] | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestStream: ...
 
     async def release(self, stream: RequestStream) -> None: ...
@@ -71,7 +73,11 @@ class JobRun:
     async def submit(self, index: int, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Send one choice to the ranks."""
         stream = await self._replica.submit(
-            prompt_ids, sampling, f"{self.job.request_id}-{index}", lambda: self._on_output(index)
+            prompt_ids,
+            sampling,
+            f"{self.job.request_id}-{index}",
+            lambda: self._on_output(index),
+            lora=self.job.lora,
         )
         self._streams.append((index, stream))
         self._by_index[index] = stream

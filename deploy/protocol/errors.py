@@ -61,6 +61,16 @@ def model_not_found(model: str, served: str) -> OpenAIError:
     )
 
 
+def adapter_not_found(name: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The LoRA adapter '{name}' cannot be found.",
+        type="not_found_error",
+        param="lora_name",
+        code="model_not_found",
+    )
+
+
 def overloaded(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="overloaded")
 

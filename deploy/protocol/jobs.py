@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.deploy.protocol.tool_calls import ToolMode
+from tandem.scheduler.messages import LoRARequest
 from tandem.scheduler.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class GenerateJob:
     structured_param: str | None = None  # the field that set sampling.structured_outputs, for a 400
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool dicts, handed to the chat template
     tool_mode: ToolMode | None = None  # chat: how replies are read for tool calls
+    lora: LoRARequest | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
     @property
     def num_choices(self) -> int:

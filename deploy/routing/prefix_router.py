@@ -22,6 +22,11 @@ The router also records its pick itself rather than only in `on_request_routed`:
 Load is the replica's ongoing requests: Serve's probed queue length when fresh (handle calls), else the
 `ongoing` count that `LLMServer.record_routing_stats` reports each `request_routing_stats_period_s`.
 Requests without a prompt (the proxy's unparsed HTTP body, `stats` calls) get power-of-two choices.
+
+A request for a LoRA adapter (its body's `model`, or Serve's `multiplexed_model_id`: the handle option, or
+the `serve_multiplexed_model_id` header, the only thing of an HTTP request Serve's Python proxy lets the
+router see) goes to the replicas that hold the adapter first (adapter_affinity.py), and among them by
+prefix as above; its prefixes are the adapter's own (KV computed under an adapter is that adapter's).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from tandem.deploy.protocol.model_names import body_adapter
+from tandem.deploy.routing.adapter_affinity import AdapterPlacements
 from tandem.deploy.routing.prefix_routing import ONGOING_STAT
 
 # The head of a prompt is what decides where its prefix is cached; past this, the tree only grows.
@@ -97,6 +104,7 @@ class PrefixAffinityRouter(RequestRouter):
         match_rate_threshold: float = 0.1,
         eviction_threshold_chars: int = 400_000,
         eviction_target_chars: int = 360_000,
+        served_model_name: str | None = None,
         **kwargs: Any,
     ) -> None:
         """Options arrive as `request_router_config.request_router_kwargs`.
@@ -106,7 +114,10 @@ class PrefixAffinityRouter(RequestRouter):
         - `match_rate_threshold`: fraction of the prompt's text that must match to follow the match.
         - `eviction_*_chars`: a replica's share of the tree is cut back to the target, oldest first,
           once it passes the threshold (the replica's own cache evicts too, so old entries mislead).
+        - `served_model_name`: the base model's name, to tell a body's adapter `model` from the base's.
         """
+        self._served = served_model_name
+        self._adapters = AdapterPlacements()
         self._imbalanced_threshold = imbalanced_threshold
         self._match_rate_threshold = match_rate_threshold
         self._eviction_threshold = eviction_threshold_chars
@@ -132,11 +143,13 @@ class PrefixAffinityRouter(RequestRouter):
             self._tree.remove_tenants(gone)
             for tenant in gone:
                 self._placed.pop(tenant, None)
+                self._adapters.forget_replica(tenant)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._tree.remove_tenants([replica_id.to_full_id_str()])
         self._placed.pop(replica_id.to_full_id_str(), None)
+        self._adapters.forget_replica(replica_id.to_full_id_str())
 
     # ---- routing -----------------------------------------------------------------------------
     async def choose_replicas(
@@ -144,21 +157,54 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        text = routing_text(pending_request.args) if pending_request is not None else None
-        if text is None:
+        text = self.routing_text(pending_request)
+        adapter = self.adapter_of(pending_request)
+        if adapter is not None:
+            chosen = self._adapters.pick(
+                adapter,
+                candidate_replicas,
+                self.load,
+                self._imbalanced_threshold,
+                lambda pool: self.pick(text, list(pool)) if text is not None else min(pool, key=self.load),
+            )
+            if text is not None:
+                self._record(text, chosen.replica_id)
+        elif text is None:
             pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
             return [sorted(pair, key=self.load)]
-        chosen = self.pick(text, candidate_replicas)
-        self._record(text, chosen.replica_id)
+        else:
+            chosen = self.pick(text, candidate_replicas)
+            self._record(text, chosen.replica_id)
         # Serve tries the first rank, then the next if the pick has no room.
         rest = sorted((r for r in candidate_replicas if r is not chosen), key=self.load)
         return [[chosen], rest] if rest else [[chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         # Where the request really went (the pick may have been full): record that replica too.
-        text = routing_text(pending_request.args) if pending_request is not None else None
+        text = self.routing_text(pending_request)
         if text is not None:
             self._record(text, replica_id)
+        adapter = self.adapter_of(pending_request)
+        replica = self._replicas.get(replica_id)
+        if adapter is not None and replica is not None:
+            self._adapters.record(adapter, replica)
+
+    def adapter_of(self, pending_request: PendingRequest | None) -> str | None:
+        """The LoRA adapter a request is for: Serve's multiplexed model id, else its body's `model`."""
+        if pending_request is None:
+            return None
+        model_id = getattr(pending_request.metadata, "multiplexed_model_id", "")
+        if model_id:
+            return str(model_id)
+        args = pending_request.args
+        return body_adapter(args[0], self._served) if args and self._served is not None else None
+
+    def routing_text(self, pending_request: PendingRequest | None) -> str | None:
+        """The prompt text a request is routed on, behind its adapter's name: each adapter caches its
+        own KV, so its prefixes are its own."""
+        text = routing_text(pending_request.args) if pending_request is not None else None
+        adapter = self.adapter_of(pending_request)
+        return text if text is None or adapter is None else f"{adapter}\x00{text}"
 
     def pick(self, text: str, candidates: list[RunningReplica]) -> RunningReplica:
         by_id = {r.replica_id.to_full_id_str(): r for r in candidates}

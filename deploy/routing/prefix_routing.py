@@ -42,7 +42,10 @@ def request_router_config(args: AppArgs, device: str) -> dict[str, Any]:
     """
     return {
         "request_router_class": ROUTER_CLASS,
-        "request_router_kwargs": {"imbalanced_threshold": max(1.0, replica_capacity(args, device) / 2)},
+        "request_router_kwargs": {
+            "imbalanced_threshold": max(1.0, replica_capacity(args, device) / 2),
+            "served_model_name": args.resolved_served_model_name(),
+        },
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
         "request_routing_stats_timeout_s": ROUTING_STATS_TIMEOUT_S,
     }

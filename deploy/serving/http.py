@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -25,6 +25,7 @@ from tandem.deploy.guards.auth import ApiKeyMiddleware, ApiKeys
 from tandem.deploy.guards.body_limit import BodyLimitMiddleware
 from tandem.deploy.guards.shutdown import DrainGate, GateState
 from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error
+from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.serving.openai_service import ChunkBatches, OpenAIService
 
@@ -138,8 +139,19 @@ def build_http_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        """The one model this application serves."""
+        """The base model this application serves, and each LoRA adapter on it (`parent`: the base)."""
         return service.models()
+
+    @app.post("/v1/load_lora_adapter", responses=_ERROR_RESPONSES)
+    async def load_lora_adapter(request: LoadLoraAdapterRequest) -> PlainTextResponse:
+        """Serve a PEFT LoRA adapter by name from now on (vLLM's endpoint); 400 naming what is wrong
+        with it (a missing path, a field tandem does not apply, another model's shapes)."""
+        return PlainTextResponse(await service.load_lora_adapter(request))
+
+    @app.post("/v1/unload_lora_adapter", responses=_ERROR_RESPONSES)
+    async def unload_lora_adapter(request: UnloadLoraAdapterRequest) -> PlainTextResponse:
+        """Stop serving a LoRA adapter (404 if it is not served); requests running with it finish."""
+        return PlainTextResponse(await service.unload_lora_adapter(request))
 
     @app.get("/health", responses={200: {"description": "Every rank is up."}, 503: {"description": "Not."}})
     async def health() -> Response:

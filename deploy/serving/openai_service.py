@@ -9,14 +9,16 @@ started becomes a last chunk holding the error body, since the HTTP status line 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from tandem.deploy.adapters.registry import AdapterRegistry
 from tandem.deploy.generation.job_run import JobRun
 from tandem.deploy.guards.limits import RequestLimits, check_job
 from tandem.deploy.observability.replica_metrics import (
@@ -36,6 +38,7 @@ from tandem.deploy.protocol.errors import (
 )
 from tandem.deploy.protocol.job_builder import chat_job, completion_job
 from tandem.deploy.protocol.jobs import ChoiceDelta, GenerateJob, JobRejected
+from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.protocol.responses import (
     CachedTokens,
@@ -44,8 +47,11 @@ from tandem.deploy.protocol.responses import (
     CompletionFormat,
     usage_dict,
 )
+from tandem.scheduler.messages import LoRARequest
 
 logger = logging.getLogger(__name__)
+# Tells the other replicas what an adapter call changed: (method, args), broadcast through Serve.
+Announce = Callable[[str, tuple[Any, ...]], Awaitable[None]]
 
 ChunkBatches = AsyncGenerator[list[dict[str, Any]], None]
 Response = dict[str, Any] | ChunkBatches
@@ -77,8 +83,12 @@ class OpenAIService:
         model_root: str | None = None,
         outcomes: OutcomeSink | None = None,
         limits: RequestLimits | None = None,
+        adapters: AdapterRegistry | None = None,
+        announce: Announce | None = None,
     ) -> None:
         self._backend = backend
+        self._adapters = adapters
+        self._announce = announce
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
@@ -87,9 +97,10 @@ class OpenAIService:
 
     async def completions(self, request: CompletionRequest) -> Response:
         try:
-            self._check_model(request)
+            lora = await self._adapter(request)
             job = completion_job(request, f"cmpl-{uuid.uuid4().hex}", time.time())
-            fmt = CompletionFormat(job.request_id, self.served_model_name, int(time.time()))
+            job = dataclasses.replace(job, lora=lora) if lora is not None else job
+            fmt = CompletionFormat(job.request_id, self._model_named(request), int(time.time()))
             return await self._tracked(await self._run(request, job, fmt))
         except BaseException as exc:
             self.record_outcome(outcome_of_exception(exc))
@@ -97,9 +108,12 @@ class OpenAIService:
 
     async def chat_completions(self, request: ChatCompletionRequest) -> Response:
         try:
-            self._check_model(request)
+            lora = await self._adapter(request)
             job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
-            fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()), tools=job.tool_mode)
+            job = dataclasses.replace(job, lora=lora) if lora is not None else job
+            fmt = ChatFormat(
+                job.request_id, self._model_named(request), int(time.time()), tools=job.tool_mode
+            )
             return await self._tracked(await self._run(request, job, fmt))
         except BaseException as exc:
             self.record_outcome(outcome_of_exception(exc))
@@ -149,7 +163,27 @@ class OpenAIService:
             "root": self._model_root,
             "parent": None,
         }
-        return {"object": "list", "data": [card]}
+        adapters = self._adapters.cards() if self._adapters is not None else []
+        return {"object": "list", "data": [card, *adapters]}
+
+    async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> str:
+        """vLLM's run-time load: the adapter is checked (a 400 naming what is wrong), served by name
+        from now on on every replica, and held by this one."""
+        if self._adapters is None:
+            raise invalid_request("LoRA is not enabled on this server (--enable-lora)", param="lora_name")
+        await self._adapters.load(request.lora_name, request.lora_path)
+        if self._announce is not None:
+            await self._announce("learn_lora_adapter", (request.lora_name, request.lora_path))
+        return f"Success: LoRA adapter '{request.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest) -> str:
+        """vLLM's run-time unload (a 404 for a name not served); requests running with it finish."""
+        if self._adapters is None:
+            raise invalid_request("LoRA is not enabled on this server (--enable-lora)", param="lora_name")
+        await self._adapters.unload(request.lora_name)
+        if self._announce is not None:
+            await self._announce("forget_lora_adapter", (request.lora_name,))
+        return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
     async def stats(self) -> dict[str, Any]:
         return aggregate_stats(await self._backend.replica_stats())
@@ -163,9 +197,17 @@ class OpenAIService:
         failures = sorted({r for r in results if r is not None})
         return ",".join(failures) if failures else None
 
-    def _check_model(self, request: SamplingFields) -> None:
-        if request.model is not None and request.model != self.served_model_name:
-            raise model_not_found(request.model, self.served_model_name)
+    async def _adapter(self, request: SamplingFields) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base model); unknown is a 404."""
+        if self._adapters is None:
+            if request.model is not None and request.model != self.served_model_name:
+                raise model_not_found(request.model, self.served_model_name)
+            return None
+        return await self._adapters.resolve(request.model)
+
+    def _model_named(self, request: SamplingFields) -> str:
+        """The `model` a response reports: the name the request used (an adapter's), else the base's."""
+        return request.model if request.model is not None else self.served_model_name
 
     async def _run(self, request: SamplingFields, job: GenerateJob, fmt: _Format) -> Response:
         check_job(job, self._limits)  # before admission: an oversized job must not wait for slots

@@ -18,24 +18,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+import tempfile
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from tandem.deploy.adapters.registry import AdapterRegistry
 from tandem.deploy.generation.backend import ReplicaBackend
 from tandem.deploy.generation.service import GenerationService
 from tandem.deploy.guards.admission import Admission
 from tandem.deploy.guards.auth import ApiKeys
 from tandem.deploy.guards.limits import RequestLimits, prompt_chars_bound
 from tandem.deploy.guards.shutdown import GateState
+from tandem.deploy.observability.lora_metrics import LoraMetrics
 from tandem.deploy.observability.metrics import ServingMetrics
 from tandem.deploy.observability.replica_metrics import ReplicaMetrics
-from tandem.deploy.protocol.errors import OpenAIError
+from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors
+from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.routing.prefix_routing import ONGOING_STAT
 from tandem.deploy.serving.http import build_http_app
 from tandem.deploy.serving.openai_service import OpenAIService, Response
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 logger = logging.getLogger(__name__)
 QUEUED_PER_RUNNING = 4  # the default queue bound: a few engine batches' worth of requests
@@ -78,6 +86,8 @@ class LLMServer:
         prompt_chars_per_token: int | None = None,
         chat_template: str | None = None,
         stuck_rank_timeout_s: float | None = None,
+        lora_modules: dict[str, str] | None = None,
+        lora_dynamic_path: str | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
@@ -109,14 +119,55 @@ class LLMServer:
             if prompt_chars_per_token is None
             else prompt_chars_bound(self._replica.max_model_len, prompt_chars_per_token),
         )
+        self._adapters: AdapterRegistry | None = None
+        self._lora_metrics: LoraMetrics | None = None
+        if getattr(self._replica, "lora_enabled", False):
+            self._lora_metrics = LoraMetrics(served_model_name)
+            self._adapters = await self._adapter_registry(
+                served_model_name, lora_modules or {}, lora_dynamic_path, backend
+            )
         self._service = OpenAIService(
-            backend, served_model_name, model_root, outcomes=self._replica_metrics, limits=limits
+            backend,
+            served_model_name,
+            model_root,
+            outcomes=self._replica_metrics,
+            limits=limits,
+            adapters=self._adapters,
+            announce=backend.announce,
         )
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes
         self._gate = GateState()
         self._drain_timeout_s = drain_timeout_s
         self._poller = asyncio.create_task(self._poll_stats(stats_interval_s))
+
+    async def _adapter_registry(
+        self, served: str, modules: dict[str, str], dynamic_path: str | None, backend: ReplicaBackend
+    ) -> AdapterRegistry:
+        """The replica's adapters: the configured ones, those the running replicas learned at run time
+        (so a replica that replaces another loses none), held through Serve's model multiplexing: its LRU
+        holds as many as the ranks' host caches do."""
+        options = self._replica.options
+        held = options.max_cpu_loras or 2 * options.engine.max_loras
+        cache = Path(tempfile.gettempdir()) / "tandem-lora" / served.replace("/", "--")
+        registry: AdapterRegistry
+
+        async def load(name: str) -> Any:
+            return await registry.load_into_replica(name)
+
+        registry = AdapterRegistry(
+            self._replica,
+            served,
+            modules=modules,
+            dynamic_path=dynamic_path,
+            cache_dir=cache,
+            use=serve.multiplexed(max_num_models_per_replica=held)(load),
+            on_request=self._lora_metrics.request if self._lora_metrics is not None else None,
+        )
+        for known in await backend.gather("lora_adapters"):
+            for name, source in dict(known).items():
+                registry.learn(name, source)
+        return registry
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_http_app(self._service, self._api_keys, self._max_request_body_bytes, self._gate)
@@ -139,11 +190,35 @@ class LLMServer:
     async def models(self) -> dict[str, Any]:
         return self._service.models()
 
+    async def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/load_lora_adapter` for handle callers: `{"status": ...}` or an error dict."""
+        return await self._admin(body, LoadLoraAdapterRequest, self._service.load_lora_adapter)
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._admin(body, UnloadLoraAdapterRequest, self._service.unload_lora_adapter)
+
+    # ---- adapters between replicas (broadcast targets) -------------------------------------------
+    async def lora_adapters(self) -> dict[str, str]:
+        """name -> source of every adapter this replica serves (a new replica adopts its peers')."""
+        return self._adapters.known() if self._adapters is not None else {}
+
+    async def learn_lora_adapter(self, name: str, source: str) -> None:
+        if self._adapters is not None:
+            self._adapters.learn(name, source)
+
+    async def forget_lora_adapter(self, name: str) -> None:
+        if self._adapters is not None:
+            await self._adapters.forget(name)
+
     # ---- per replica: broadcast targets and Serve's hooks -----------------------------------------
     async def replica_stats(self) -> dict[str, Any]:
         stats = dict(await self._replica.stats())
         stats["max_ongoing_requests"] = self._admission.max_running
         stats["max_queued_requests"] = self._admission.max_queued
+        stats["replica"] = serve.get_replica_context().replica_tag
+        if self._adapters is not None:  # which adapters this replica holds, and its requests for each
+            stats["lora_held"] = sorted(lora.name for lora in self._replica.loras())
+            stats["lora_requests"] = dict(self._adapters.requests)
         return stats
 
     async def check_health(self) -> None:
@@ -153,6 +228,7 @@ class LLMServer:
         """What Serve hands the request router each period: this replica's running and queued requests
         (HAProxy's traffic never passes the router, so it has no count of its own there)."""
         return {ONGOING_STAT: self._admission.running + self._admission.waiting}
+
     # ---- draining, driven by `tandem serve` on SIGTERM (deploy/guards/shutdown.py) ------------------------
     async def begin_drain(self) -> None:
         """Turn new HTTP requests away (503); those in flight go on."""
@@ -175,6 +251,16 @@ class LLMServer:
             # Serve needs a generator for a stream=True call and a plain value otherwise.
             return _yield_once(error.body()) if streaming else error.body()
 
+    async def _admin(
+        self, body: dict[str, Any], request_cls: type[RequestT], method: Callable[[RequestT], Awaitable[str]]
+    ) -> dict[str, Any]:
+        try:
+            return {"status": await method(request_cls.model_validate(body))}
+        except ValidationError as exc:
+            return from_validation_errors(exc.errors()).body()
+        except OpenAIError as exc:
+            return exc.body()
+
     async def _handle_call(
         self, body: dict[str, Any], path: str
     ) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
@@ -188,6 +274,8 @@ class LLMServer:
             try:
                 stats = await self._replica.stats()
                 self._metrics.engine_stats(stats)
+                if self._lora_metrics is not None:
+                    self._lora_metrics.sample(stats, held=len(self._replica.loras()))
                 self._replica_metrics.sample(self._admission.running, self._admission.waiting, stats)
             except asyncio.CancelledError:
                 raise

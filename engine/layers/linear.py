@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,12 @@ from tandem.engine.layers.source import TensorSource, check_shape
 
 # (x, weight, bias or None) -> x weight^T (+ bias).
 MatMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class OutputDelta(Protocol):
+    """What a layer adds to its own output for the rows of a batch (engine/lora/delta.py's `LoraDelta`)."""
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, plan: KernelPlan) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,9 @@ class ColumnParallelLinear(nn.Module):
         # Whether a plan with `gemv` / `tinygemm` may run this layer's GEMM so: decided once, by shape.
         self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
+        # The LoRA delta of each row's adapter (B's rows of this rank's output shard), set by the engine
+        # when LoRA is on; added under plans with `lora`.
+        self.lora: OutputDelta | None = None
 
     @property
     def output_sizes(self) -> list[int]:
@@ -107,7 +117,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
         out = small_matmul(self, x, self.bias, plan)
-        return out if out is not None else self.matmul(x, self.weight, self.bias)
+        if out is None:
+            out = self.matmul(x, self.weight, self.bias)
+        if plan.lora and self.lora is not None:
+            self.lora.add(x, out, plan)
+        return out
 
 
 class RowParallelLinear(nn.Module):
@@ -138,6 +152,8 @@ class RowParallelLinear(nn.Module):
         )
         self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
+        # The LoRA delta (A's columns of this rank's input shard): summed by the one all-reduce below.
+        self.lora: OutputDelta | None = None
 
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         if is_bias:
@@ -153,5 +169,8 @@ class RowParallelLinear(nn.Module):
         all-reduce (an MoE layer's shared expert)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = small_matmul(self, x, bias, plan)
-        out = out if out is not None else self.matmul(x, self.weight, bias)
+        if out is None:
+            out = self.matmul(x, self.weight, bias)
+        if plan.lora and self.lora is not None:
+            self.lora.add(x, out, plan)
         return self.tp.all_reduce(out) if reduce else out

@@ -59,6 +59,7 @@ class FakeReplica:
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.prompts: list[list[int]] = []
+        self.loras: list[Any] = []  # the LoRA adapter each request ran with (None: the base model)
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
@@ -81,9 +82,11 @@ class FakeReplica:
         sampling: SamplingParams,
         request_id: str | None = None,
         listener: Callable[[], None] | None = None,
+        lora: Any = None,
     ) -> RequestStream:
         rid = len(self.prompts)
         self.prompts.append(prompt_token_ids)
+        self.loras.append(lora)
         detok: Any = FakeText()  # not an IncrementalDetokenizer: only what RequestStream calls
         stream = RequestStream(request_id or "r", rid, len(prompt_token_ids), sampling, detok, listener)
         self.active.add(stream.request_id)

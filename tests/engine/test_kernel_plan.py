@@ -31,7 +31,7 @@ def _legacy_decode(config: EngineConfig, bs: int) -> KernelPlan:
     built one-launch buffers for sizes <= fused_decode_max_bs where Triton imported; FusedKernels took its
     Triton norms while `_in_graphs` for 2D inputs of rows <= min(fused_decode_max_bs, 32), PDL for rows <=
     pdl_max_bs, and tinygemm for 0 < rows <= small_gemm_max_bs (with tinygemm importable). Added since: the
-    Triton GEMV for 0 < rows <= gemv_max_bs."""
+    Triton GEMV for 0 < rows <= gemv_max_bs, and PDL for the LoRA kernels in every graph where PDL runs."""
     return KernelPlan(
         rows=bs,
         fused_decode=config.triton and bs <= config.fused_decode_max_bs,
@@ -39,6 +39,7 @@ def _legacy_decode(config: EngineConfig, bs: int) -> KernelPlan:
         pdl=bs <= config.pdl_max_bs,
         tinygemm=0 < bs <= config.small_gemm_max_bs,
         gemv=0 < bs <= config.gemv_max_bs,
+        lora_pdl=config.pdl_max_bs > 0,
     )
 
 

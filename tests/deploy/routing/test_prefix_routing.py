@@ -177,7 +177,8 @@ def test_routing_is_on_with_several_replicas_and_off_by_the_setting() -> None:
     options = llm_server_options(AppArgs(num_replicas=2, max_ongoing_requests=48), "cpu")
     config = options["request_router_config"]
     assert config["request_router_class"] == ROUTER_CLASS
-    assert config["request_router_kwargs"] == {"imbalanced_threshold": 24.0}
+    kwargs = {"imbalanced_threshold": 24.0, "served_model_name": "tandem-tiny"}
+    assert config["request_router_kwargs"] == kwargs
     assert "request_router_config" not in llm_server_options(AppArgs(), "cpu")
     off = AppArgs(num_replicas=2, prefix_routing=False)
     assert "request_router_config" not in llm_server_options(off, "cpu")
