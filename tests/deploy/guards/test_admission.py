@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tandem.deploy.routing import proxy_errors
 from tandem.deploy.guards.admission import Admission
 from tandem.deploy.protocol.errors import OpenAIError
+from tandem.deploy.routing import proxy_errors
 from tandem.deploy.routing.proxy_errors import ShapedProxyErrors
 
 

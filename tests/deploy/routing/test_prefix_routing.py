@@ -15,9 +15,9 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.request_router import PendingRequest
 
-from tandem.deploy.routing import prefix_routing
 from tandem.deploy.app import build_app, llm_server_options
 from tandem.deploy.config.args import AppArgs, AutoscalingArgs
+from tandem.deploy.routing import prefix_routing
 from tandem.deploy.routing.prefix_router import PrefixAffinityRouter, routing_text
 from tandem.deploy.routing.prefix_routing import (
     ROUTER_CLASS,
