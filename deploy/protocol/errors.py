@@ -84,6 +84,9 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         message = next(e.get("msg", "") for e in errors if e.get("type") == "json_invalid")
         return invalid_request(f"the body is not valid JSON: {message}", code="invalid_json")
+    unknown = unrecognized_fields(errors)
+    if unknown:
+        return unrecognized(unknown)
     # A union reports one error per member (e.g. `stop` as a string, and as a list of strings); the
     # deepest one is the member the client meant, e.g. `stop.0` for `"stop": [""]`.
     # Prefer a value error (a range, a length) over "wrong type", then the deepest: for `"prompt": [1, -1]`
@@ -101,6 +104,24 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
         message += f" (also invalid: {', '.join(others)})"
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
     return invalid_request(message, param=param, code=code)
+
+
+def unrecognized_fields(errors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The body's top-level fields that no request model declares, in the order they came."""
+    names: list[str] = []
+    for error in errors:
+        path = _field_path(error)
+        if error.get("type") == "extra_forbidden" and len(path) == 1 and path[0] not in names:
+            names.append(path[0])
+    return names
+
+
+def unrecognized(names: Sequence[str]) -> OpenAIError:
+    """OpenAI's 400 for fields it does not know, naming each of them."""
+    noun = "argument" if len(names) == 1 else "arguments"
+    return invalid_request(
+        f"Unrecognized request {noun} supplied: {', '.join(names)}", param=names[0], code="unknown_parameter"
+    )
 
 
 def _field_path(error: Mapping[str, Any]) -> list[str]:

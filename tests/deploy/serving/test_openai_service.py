@@ -190,6 +190,9 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
                 "bad_json": await client.post("/v1/completions", content=b"{", headers=json_header),
                 "invalid": await client.post("/v1/completions", json={"prompt": "x", "top_p": 2}),
                 "unknown": await client.post("/v1/chat/completions", json=chat),
+                "misspelt": await client.post(
+                    "/v1/chat/completions", json={**chat, "model": MODEL, "max_token": 5, "temprature": 0}
+                ),
                 "no_route": await client.get("/v2/nothing"),
                 "health": await client.get("/health"),
                 "sse": await client.post(
@@ -203,6 +206,7 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
         ("bad_json", 400),
         ("invalid", 400),
         ("unknown", 404),
+        ("misspelt", 400),
         ("no_route", 404),
         ("health", 503),
     ]:
@@ -210,6 +214,8 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert responses["invalid"].json()["error"]["param"] == "top_p"
+    misspelt = responses["misspelt"].json()["error"]
+    assert misspelt["message"] == "Unrecognized request arguments supplied: max_token, temprature"
     sse = responses["sse"]
     assert sse.headers["x-accel-buffering"] == "no" and sse.headers["content-type"].startswith(
         "text/event-stream"
