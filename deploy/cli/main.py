@@ -16,8 +16,22 @@ BENCHMARKS = {
 }
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def tandem_version() -> str:
+    """The installed distribution's version (the source tree's pyproject when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="An LLM serving cluster on Ray.")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench}")
 
     serve = commands.add_parser(
@@ -61,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
         "before they end with an error (default 30); new requests get 503 meanwhile.",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="Level of the Ray, Serve and HAProxy log lines shown while serving (default warning: "
+        "tandem's own progress lines and warnings only; info shows Serve's start-up and access logs).",
     )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(

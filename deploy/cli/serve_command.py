@@ -7,6 +7,7 @@ On exit it leaves nothing behind: the Ray it started goes down, and any process 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -96,17 +97,30 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.deploy.app import build_app
 
     plan = plan_from_cli(args)
+    log_level = str(getattr(args, "log_level", None) or "warning").upper()
+    quiet_driver_logs(log_level)
     processes = ProcessTree()
     started_ray = False
     # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
     state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     try:
-        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress, state_dir)
+        started_ray = _connect_ray(
+            args.address, plan, args.metrics_port, args.ingress, state_dir, log_level
+        )
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)
-        serve.start(http_options={"host": plan.host, "port": plan.port})
-        serve._run(build_app(plan.app_args), _blocking=False, name=plan.name, route_prefix=plan.route_prefix)
+        # Serve's controller, proxies and HAProxy log at this level; so do the app's replicas (their
+        # access log lines are INFO).
+        logging_config = {"log_level": log_level}
+        serve.start(http_options={"host": plan.host, "port": plan.port}, logging_config=logging_config)
+        serve._run(
+            build_app(plan.app_args),
+            _blocking=False,
+            name=plan.name,
+            route_prefix=plan.route_prefix,
+            logging_config=logging_config,
+        )
         if not wait_until_running(plan.name, plan.app_args.resolved_served_model_name(), sys.stderr):
             return 1
         _print_admission(plan)
@@ -161,8 +175,19 @@ def _print_admission(plan: ServePlan) -> None:
     )
 
 
+def quiet_driver_logs(level: str) -> None:
+    """Ray's and Serve's loggers in this process at `level` (Ray's INFO lines would bury tandem's own)."""
+    for name in ("ray", "ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(level)
+
+
 def _connect_ray(
-    address: str | None, plan: ServePlan, metrics_port: int, ingress: str, state_dir: str
+    address: str | None,
+    plan: ServePlan,
+    metrics_port: int,
+    ingress: str,
+    state_dir: str,
+    log_level: str = "WARNING",
 ) -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
 
@@ -172,7 +197,7 @@ def _connect_ray(
     existing = address or ray_address() or _ray_start_address()
     if existing:
         try:
-            ray.init(address=existing)
+            ray.init(address=existing, logging_level=logging.getLevelName(log_level))
             print(f"tandem: joined the Ray cluster at {existing}", file=sys.stderr, flush=True)
             if ingress != "auto":
                 print(
@@ -203,7 +228,12 @@ def _connect_ray(
         os.environ[key] = value
     # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
     # without its web assets waits a minute for it at start. Metrics export does not need it.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        logging_level=logging.getLevelName(log_level),
+    )
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "
         f"http://127.0.0.1:{metrics_port}/metrics",

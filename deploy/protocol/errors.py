@@ -21,6 +21,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         message = _encodable(message)
         super().__init__(message)
@@ -29,13 +30,14 @@ class OpenAIError(Exception):
         self.type = type
         self.param = _encodable(param) if param is not None else None
         self.code = code
+        self.retry_after_s = retry_after_s  # HTTP's Retry-After, on a 503 that a retry soon may pass
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray pickles exceptions across processes; keep the keyword-only fields.
-        return (_rebuild, (self.status, self.message, self.type, self.param, self.code))
+        return (_rebuild, (self.status, self.message, self.type, self.param, self.code, self.retry_after_s))
 
 
 def _encodable(text: str) -> str:
@@ -44,8 +46,10 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _rebuild(status: int, message: str, type: str, param: str | None, code: str | None) -> OpenAIError:
-    return OpenAIError(status, message, type=type, param=param, code=code)
+def _rebuild(
+    status: int, message: str, type: str, param: str | None, code: str | None, retry_after_s: int | None
+) -> OpenAIError:
+    return OpenAIError(status, message, type=type, param=param, code=code, retry_after_s=retry_after_s)
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
@@ -61,8 +65,15 @@ def model_not_found(model: str, served: str) -> OpenAIError:
     )
 
 
+# What an overloaded replica tells clients to wait before retrying: about the time a running request
+# takes to make room, short enough that the OpenAI SDK's retries (which honour it) keep the load on.
+OVERLOAD_RETRY_AFTER_S = 1
+
+
 def overloaded(message: str) -> OpenAIError:
-    return OpenAIError(503, message, type="server_error", code="overloaded")
+    return OpenAIError(
+        503, message, type="server_error", code="overloaded", retry_after_s=OVERLOAD_RETRY_AFTER_S
+    )
 
 
 def unavailable(message: str) -> OpenAIError:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.deploy.protocol.structured_fields import StructuredFields, ToolFields
-from tandem.deploy.protocol.templates import forbidden_template_kwargs
+from tandem.deploy.protocol.templates import forbidden_template_kwargs, non_json_template_value
 from tandem.scheduler.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -245,6 +245,10 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
                 raise ValueError(
                     f"chat_template_kwargs may not set {forbidden}: the server picks the template"
                 )
+            key = non_json_template_value(kwargs)
+            if key is not None:
+                raise ValueError(f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, "
+                                 "string, list or object)")
         return kwargs
 
     @field_validator("top_logprobs")

@@ -50,7 +50,8 @@ _encoder = msgspec.json.Encoder()
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def sse_events(batches: ChunkBatches) -> AsyncGenerator[bytes, None]:

@@ -191,3 +191,17 @@ def test_model_not_found_shape() -> None:
     error = model_not_found("gpt-9", "tiny")
     assert error.status == 404
     assert error.body()["error"]["code"] == "model_not_found" and error.param == "model"
+
+
+def test_template_kwargs_are_plain_json_values() -> None:
+    ok = {"enable_thinking": False, "n": [1, 2.5, "x", None, {"k": True}]}
+    assert ChatCompletionRequest(messages=CHAT, chat_template_kwargs=ok).chat_template_kwargs == ok
+
+    class Sneaky(str):
+        def __html__(self) -> str:
+            return "<script>"
+
+    # A handle call passes Python objects as they are: only JSON data may reach the template.
+    for bad in ({"x": object()}, {"x": Sneaky("a")}, {"x": {1: "int key"}}, {"x": (1, 2)}):
+        error = _error(ChatCompletionRequest, {"messages": CHAT, "chat_template_kwargs": bad})
+        assert error["param"] == "chat_template_kwargs" and "plain JSON" in error["message"]

@@ -124,6 +124,15 @@ def test_unknown_model_and_backpressure(make_service: MakeService) -> None:
         run(busy.completions(CompletionRequest(prompt="x", stream=True)))
     assert info.value.status == 503
 
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_http_app(busy))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"prompt": "x"})
+
+    response = run(post())
+    assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
+    assert response.headers["retry-after"] == "1"  # what the OpenAI SDK waits before its retry
+
 
 def test_replica_failure_is_503_or_a_final_error_chunk(make_service: MakeService) -> None:
     service, _ = make_service(FakeReplica(failure="rank 1 died"))
