@@ -35,6 +35,7 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), bias already capped to +-100
     grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt log-probs
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True):
@@ -55,6 +56,8 @@ class TokenOutput(msgspec.Struct, frozen=True):
 
     `cached_tokens` is set on a request's first token only: how many prompt tokens the radix cache
     supplied at admission (whole pages; `usage.prompt_tokens_details.cached_tokens` downstream).
+    `prompt_logprobs` too, for a request that asked: the log-prob of each prompt token after the first
+    (the first has none), and `prompt_top_logprobs` the top alternatives at each of those positions.
     """
 
     rid: int
@@ -63,3 +66,5 @@ class TokenOutput(msgspec.Struct, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

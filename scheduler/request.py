@@ -38,6 +38,9 @@ class Request:
     last_batch: int = -1  # id of the latest batch this request was scheduled in
     released: bool = False  # its pages have gone back to the pool or the prefix cache
     grammar: GrammarState | None = None  # its structured-output matcher, if it has a constraint
+    # With sampling.prompt_logprobs: the prompt tokens' log-probs so far (position 1 on), chunk by chunk.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     # Cached: read several times per request per step, and prompt_ids never changes.
     prompt_len: int = field(init=False)

@@ -74,6 +74,10 @@ class SamplingParams:
     # token id -> value added to its logit (OpenAI's logit_bias; values beyond +-100 are capped).
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: the log-prob of every prompt token (the first has none, RequestOutput.prompt_logprobs), with
+    # this many top alternatives at each position. Such requests skip the prefix cache (a cached prefix
+    # has no logits), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and its allowed range."""
@@ -89,6 +93,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an int"),
             (

@@ -31,6 +31,8 @@ class GenerateJob:
     structured_param: str | None = None  # the field that set sampling.structured_outputs, for a 400
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool dicts, handed to the chat template
     tool_mode: ToolMode | None = None  # chat: how replies are read for tool calls
+    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, if asked)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its one sampled token dropped
 
     @property
     def num_choices(self) -> int:
@@ -55,7 +57,7 @@ class JobRejected:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing precedes
     top: list[tuple[str, float]] = field(default_factory=list)  # best first
 
 

@@ -117,20 +117,20 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="A prompt, a list of prompts, token ids, or a list of token-id lists."
     )
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="Most tokens to generate per choice; 0 only with echo (scoring)."
+    )
     logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="Return the logprobs of this many top tokens."
     )
-    echo: bool = Field(default=False, description="Not supported: must be false.")
+    echo: bool = Field(
+        default=False,
+        description="Return the prompt before the completion; with logprobs, the prompt tokens' logprobs too "
+        "(the first is null), as lm-eval's loglikelihood tasks read them.",
+    )
     suffix: str | None = Field(default=None, description="Not supported: must be unset.")
 
     # Field validators (not a model validator) so a 400 names the offending field in `param`.
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, suffix: str | None) -> str | None:

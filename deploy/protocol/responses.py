@@ -215,8 +215,11 @@ class ChatFormat(_Format):
 
 
 def _completion_logprobs(entries: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
-    top: list[dict[str, float]] = []
+    top: list[dict[str, float] | None] = []
     for entry in entries:
+        if entry.logprob is None:  # an echoed prompt's first token: nothing scored it
+            top.append(None)
+            continue
         alternatives = dict(entry.top)
         alternatives.setdefault(entry.token, entry.logprob)  # the sampled token is always listed
         top.append(alternatives)

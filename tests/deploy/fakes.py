@@ -99,6 +99,7 @@ class FakeReplica:
             token = (sum(prompt) + step + (sampling.seed or 0)) % 200 + 3
             last = step == sampling.max_tokens - 1
             top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
+            scored = step == 0 and sampling.prompt_logprobs is not None
             stream.merge(
                 TokenOutput(
                     stream.rid,
@@ -107,6 +108,14 @@ class FakeReplica:
                     -0.5 if sampling.logprobs is not None else None,
                     top if sampling.logprobs is not None else None,
                     cached_tokens=len(prompt) // 2 if step == 0 else None,
+                    # Prompt token k scores -k/10, its alternatives t<k+100> at -0.01 and after.
+                    prompt_logprobs=[-k / 10 for k in range(1, len(prompt))] if scored else None,
+                    prompt_top_logprobs=[
+                        [(k + 100 + j, -0.01 * (j + 1)) for j in range(sampling.prompt_logprobs or 0)]
+                        for k in range(1, len(prompt))
+                    ]
+                    if scored and sampling.prompt_logprobs
+                    else None,
                 )
             )
 
