@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import xgrammar as xgr
 
+from tandem.scheduler.json_strings import rewrite_schema_text
 from tandem.scheduler.messages import GrammarSpec
 
 # Distinct grammars kept compiled (an LRU): a compiled JSON schema holds a per-token mask cache, of a
@@ -37,11 +38,12 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Compil
     """Raise ValueError with xgrammar's reason when the spec is not a grammar it accepts.
 
     JSON comes out compact (no free whitespace between tokens): a model may otherwise spend its budget
-    on whitespace that the grammar allows without end.
+    on whitespace that the grammar allows without end. Bounded strings are rewritten first
+    (json_strings.py), so they stay strict JSON.
     """
     try:
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.text, any_whitespace=False)
+            return compiler.compile_json_schema(rewrite_schema_text(spec.text), any_whitespace=False)
         if spec.kind == "json_object":
             # OpenAI's JSON mode: any object. Non-strict, so it may carry properties of any name.
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
