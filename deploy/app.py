@@ -69,6 +69,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             prompt_chars_per_token=app_args.prompt_chars_per_token,
             chat_template=load_chat_template(app_args.chat_template),
             stuck_rank_timeout_s=app_args.stuck_rank_timeout_s,
+            reasoning_parser=app_args.reasoning_parser,
         )
     )
     return with_route_ingress(app, app_args)

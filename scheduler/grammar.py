@@ -116,8 +116,11 @@ class GrammarState:
     never touches the matcher while a bitmask fill of the next step may be reading it on another thread.
     """
 
-    def __init__(self, compiled: Future[xgr.CompiledGrammar]) -> None:
+    def __init__(self, compiled: Future[xgr.CompiledGrammar], after_token: int | None = None) -> None:
         self._compiled = compiled
+        # A reasoning model's end-of-thinking token: until it is sampled the output is free, and the
+        # grammar constrains what follows it (its mask is all ones, its matcher is not fed).
+        self.waiting_for = after_token
         self._matcher: xgr.GrammarMatcher | None = None
         self.vocab_size = 0  # xgrammar's vocabulary size (the bitmask's width), once compiled
         self.failed: str | None = None
@@ -149,6 +152,11 @@ def accept_tokens(states: list[GrammarState], tokens: list[int]) -> None:
     live: list[tuple[GrammarState, xgr.GrammarMatcher]] = []
     offered: list[int] = []
     for state, token in zip(states, tokens, strict=True):
+        if state.waiting_for is not None:
+            if token == state.waiting_for:
+                state.waiting_for = None  # the grammar starts with the next token
+            state.refused = state.terminated = False
+            continue
         matcher = state.matcher()
         if matcher is None:
             state.refused, state.terminated = True, False
@@ -212,8 +220,8 @@ class BitmaskFiller:
         bitmask = buffer.masks[: len(states)]
         live: list[tuple[int, xgr.GrammarMatcher]] = []
         for i, (state, matcher) in enumerate(zip(states, matchers, strict=True)):
-            if matcher is not None and not state.terminated:  # as the last accept left it
-                live.append((i, matcher))
+            if matcher is not None and not state.terminated and state.waiting_for is None:
+                live.append((i, matcher))  # the last accept left it live and past any reasoning
             else:  # a failed or finished row is dropped at result time; any token will do
                 bitmask[i].fill_(-1)
         started = threading.Event()

@@ -15,6 +15,7 @@ class GrammarSpec(msgspec.Struct, frozen=True):
 
     kind: str
     text: str = ""
+    after_token: int | None = None  # the constraint starts after this token (a reasoning model's </think>)
 
 
 class SamplingSpec(msgspec.Struct, frozen=True):

@@ -26,11 +26,15 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # Not a constraint of its own: a reasoning model's end-of-thinking token id, after which the constraint
+    # starts (vLLM's reasoning-aware structured outputs); None constrains from the first token.
+    after_token: int | None = None
 
     def spec(self) -> GrammarSpec:
         """The wire form every rank compiles (a schema as compact JSON, its key order kept: it is the
         order of the output's properties). Raises ValueError unless exactly one field is set."""
-        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        constraints = [f.name for f in fields(self) if f.name != "after_token"]
+        chosen = [name for name in constraints if getattr(self, name) not in (None, False)]
         if len(chosen) != 1:
             raise ValueError(
                 f"structured_outputs needs exactly one of json, regex, choice, grammar, "
@@ -40,16 +44,19 @@ class StructuredOutputs:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
-            return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
+            return self._spec("json_schema", json.dumps(schema, separators=(",", ":")))
         if self.regex is not None:
-            return GrammarSpec("regex", self.regex)
+            return self._spec("regex", self.regex)
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
-            return GrammarSpec("choice", json.dumps(list(self.choice)))
+            return self._spec("choice", json.dumps(list(self.choice)))
         if self.grammar is not None:
-            return GrammarSpec("grammar", self.grammar)
-        return GrammarSpec("json_object")
+            return self._spec("grammar", self.grammar)
+        return self._spec("json_object")
+
+    def _spec(self, kind: str, text: str = "") -> GrammarSpec:
+        return GrammarSpec(kind, text, self.after_token)
 
 
 @dataclass

@@ -106,7 +106,8 @@ class Scheduler:
                     self.results.emit_finish(msg.rid, "abort")
                     return
                 # The compile starts now, on its thread; the matcher is first needed after the prefill.
-                req.grammar = GrammarState(self.grammars.compile(msg.sampling.grammar))
+                spec = msg.sampling.grammar
+                req.grammar = GrammarState(self.grammars.compile(spec), after_token=spec.after_token)
             self.waiting[msg.rid] = req
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid)

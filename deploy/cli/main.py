@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", default=None, help="A Jinja chat template file (or inline template) to use."
     )
     serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="Split <think>...</think> out of chat replies into reasoning_content (as vLLM's flag).",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         default=None,

@@ -57,6 +57,7 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     overrides["served_model_name"] = args.served_model_name
     overrides["api_key"] = getattr(args, "api_key", None)
     overrides["chat_template"] = getattr(args, "chat_template", None)
+    overrides["reasoning_parser"] = getattr(args, "reasoning_parser", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),

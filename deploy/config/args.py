@@ -190,6 +190,12 @@ class AppArgs(BaseModel):
         description="A Jinja chat template file, or the template itself, replacing the tokenizer's. "
         "Clients can never choose the template.",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        default=None,
+        description="Split a reasoning model's <think>...</think> out of chat replies into "
+        "`reasoning_content` (as vLLM's --reasoning-parser); tool calls and structured outputs then apply "
+        "to what follows the reasoning.",
+    )
     stuck_rank_timeout_s: float = Field(
         default=DEFAULT_STUCK_RANK_TIMEOUT_S,
         gt=0.0,

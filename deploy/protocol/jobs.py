@@ -33,6 +33,7 @@ class GenerateJob:
     tool_mode: ToolMode | None = None  # chat: how replies are read for tool calls
     echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, if asked)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its one sampled token dropped
+    reasoning_end: str | None = None  # chat under a reasoning parser: output constraints start after it
 
     @property
     def num_choices(self) -> int:

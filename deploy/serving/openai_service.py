@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any, Protocol
 
 from tandem.deploy.generation.job_run import JobRun
@@ -33,6 +34,7 @@ from tandem.deploy.protocol.errors import (
 )
 from tandem.deploy.protocol.job_builder import chat_job, completion_job
 from tandem.deploy.protocol.jobs import ChoiceDelta, GenerateJob, JobRejected
+from tandem.deploy.protocol.reasoning import reasoning_format
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.protocol.responses import (
     CachedTokens,
@@ -74,8 +76,10 @@ class OpenAIService:
         model_root: str | None = None,
         outcomes: OutcomeSink | None = None,
         limits: RequestLimits | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self._backend = backend
+        self._reasoning = reasoning_format(reasoning_parser)
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
@@ -96,7 +100,15 @@ class OpenAIService:
         try:
             self._check_model(request)
             job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
-            fmt = ChatFormat(job.request_id, self.served_model_name, int(time.time()), tools=job.tool_mode)
+            if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
+                job = replace(job, reasoning_end=self._reasoning.end)
+            fmt = ChatFormat(
+                job.request_id,
+                self.served_model_name,
+                int(time.time()),
+                tools=job.tool_mode,
+                reasoning=self._reasoning,
+            )
             return await self._tracked(await self._run(request, job, fmt))
         except BaseException as exc:
             self.record_outcome(outcome_of_exception(exc))

@@ -81,6 +81,7 @@ class LLMServer:
         prompt_chars_per_token: int | None = None,
         chat_template: str | None = None,
         stuck_rank_timeout_s: float | None = None,
+        reasoning_parser: str | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
@@ -113,7 +114,12 @@ class LLMServer:
             else prompt_chars_bound(self._replica.max_model_len, prompt_chars_per_token),
         )
         self._service = OpenAIService(
-            backend, served_model_name, model_root, outcomes=self._replica_metrics, limits=limits
+            backend,
+            served_model_name,
+            model_root,
+            outcomes=self._replica_metrics,
+            limits=limits,
+            reasoning_parser=reasoning_parser,
         )
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes
