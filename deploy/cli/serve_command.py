@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
 import yaml
 
 from tandem.deploy.app import REPLICA_CPUS
@@ -29,7 +30,11 @@ from tandem.deploy.guards.shutdown import (
     drain_app,
     raise_terminate,
 )
-from tandem.deploy.routing.ingress_mode import ray_environment, resolve_ingress
+from tandem.deploy.routing.ingress_mode import (
+    haproxy_wrapper_environment,
+    ray_environment,
+    resolve_ingress,
+)
 from tandem.engine.environment import ray_address, serve_host
 
 DEPLOY_TIMEOUT_S = 3600.0  # large models download and load for a long time; progress shows it is alive
@@ -225,7 +230,10 @@ def _connect_ray(
     print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
     # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
-    for key, value in ray_environment(mode, state_dir).items():
+    environment = ray_environment(mode, state_dir)
+    if mode == "haproxy":
+        environment.update(haproxy_wrapper_environment(state_dir, plan.host))
+    for key, value in environment.items():
         os.environ[key] = value
     # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
     # without its web assets waits a minute for it at start. Metrics export does not need it.
@@ -254,18 +262,37 @@ def _ray_start_address() -> str | None:
         return None
 
 
-def wait_until_running(name: str, served: str, out: TextIO, timeout_s: float = DEPLOY_TIMEOUT_S) -> bool:
-    """Poll Serve until the app runs, printing its deployments' progress while the model loads."""
+def command_started_at() -> float:
+    """When this process started (wall clock): the figures a user times are from the command's start."""
+    try:
+        return float(psutil.Process().create_time())
+    except psutil.Error:
+        return time.time()
+
+
+def wait_until_running(
+    name: str,
+    served: str,
+    out: TextIO,
+    timeout_s: float = DEPLOY_TIMEOUT_S,
+    since: float | None = None,
+) -> bool:
+    """Poll Serve until the app runs, printing its deployments' progress while the model loads. Times
+    count from `since` (wall clock; the command's start by default), as the user times them."""
     from ray import serve
 
+    origin = command_started_at() if since is None else since
     start = time.monotonic()
     last_line, last_print = "", 0.0
     interactive = out.isatty()
     while time.monotonic() - start < timeout_s:
         app = serve.status().applications.get(name)
-        elapsed = time.monotonic() - start
+        elapsed = time.time() - origin
         if app is not None and app.status == "RUNNING":
-            out.write(("\r" if interactive else "") + f"tandem: '{served}' is ready after {elapsed:.0f}s\n")
+            out.write(
+                ("\r" if interactive else "")
+                + f"tandem: '{served}' is ready after {elapsed:.0f}s (from the command's start)\n"
+            )
             out.flush()
             return True
         if app is not None and app.status == "DEPLOY_FAILED":

@@ -8,14 +8,14 @@ with an `{"error": ...}` body, so the handlers below replace FastAPI's.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -24,7 +24,8 @@ from starlette.types import Receive, Scope, Send
 from tandem.deploy.guards.auth import ApiKeyMiddleware, ApiKeys
 from tandem.deploy.guards.body_limit import BodyLimitMiddleware
 from tandem.deploy.guards.shutdown import DrainGate, GateState
-from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error
+from tandem.deploy.observability.exposition import CONTENT_TYPE, node_tandem_metrics
+from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error, unavailable
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.serving.openai_service import ChunkBatches, OpenAIService
 
@@ -93,6 +94,7 @@ def build_http_app(
     api_keys: ApiKeys | None = None,
     max_body_bytes: int | None = None,
     gate: GateState | None = None,
+    metrics: Callable[[], Awaitable[str]] = node_tandem_metrics,
 ) -> FastAPI:
     app = FastAPI(
         title="tandem",
@@ -141,6 +143,16 @@ def build_http_app(
     async def models() -> dict[str, Any]:
         """The one model this application serves."""
         return service.models()
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        """tandem's Prometheus series (`ray_tandem_*`), as Ray's metrics export port serves them for
+        this node (docs/metrics.md)."""
+        try:
+            return PlainTextResponse(await metrics(), media_type=CONTENT_TYPE)
+        except OSError as exc:
+            logger.warning("could not read the node's metrics: %s", exc)
+            return error_response(unavailable("the metrics exporter of this node cannot be read"))
 
     @app.get("/health", responses={200: {"description": "Every rank is up."}, 503: {"description": "Not."}})
     async def health() -> Response:

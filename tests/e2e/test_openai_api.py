@@ -241,6 +241,13 @@ def test_metrics_are_exported(client: openai.OpenAI, app: Any) -> None:
         if missing:
             time.sleep(1.0)
     assert not missing, f"not exported: {sorted(missing)}"
+    # The same series on the API port, as vLLM and SGLang serve theirs.
+    api = httpx.get(f"{app.base_url}/metrics", timeout=30)
+    assert api.status_code == 200 and api.headers["content-type"].startswith("text/plain")
+    on_api = {name for name in wanted if f"\n{name}" in "\n" + api.text or f"# TYPE {name} " in api.text}
+    assert on_api == wanted, sorted(wanted - on_api)
+    assert all(line.startswith(("ray_tandem_", "# HELP ray_tandem_", "# TYPE ray_tandem_"))
+               for line in api.text.splitlines())  # fmt: skip
 
 
 def _dashboard_series() -> set[str]:

@@ -13,7 +13,7 @@ import yaml
 
 from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
 from tandem.deploy.cli.main import build_parser, main, tandem_version
-from tandem.deploy.cli.serve_command import plan_from_cli, wait_until_running
+from tandem.deploy.cli.serve_command import command_started_at, plan_from_cli, wait_until_running
 from tandem.deploy.config.args import TINY_MODEL_NAME
 
 
@@ -109,10 +109,14 @@ def test_progress_is_printed_until_running(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"app": states.pop(0)}))
     monkeypatch.setattr("time.sleep", lambda s: None)
     out = io.StringIO()
-    assert wait_until_running("app", "tiny", out)
+    import time
+
+    assert wait_until_running("app", "tiny", out, since=time.time() - 7.2)
     text = out.getvalue()
     assert "loading 'tiny': submitting" in text and "LLMServer updating (1 starting)" in text
-    assert "'tiny' is ready" in text
+    # Counted from the command's start (here 7 s before), not from when the deploy began.
+    assert "'tiny' is ready after 7s (from the command's start)" in text
+    assert command_started_at() <= time.time()
     failed = SimpleNamespace(status="DEPLOY_FAILED", message="out of GPUs", deployments={})
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"app": failed}))
     out = io.StringIO()
