@@ -133,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
         url = _url(plan)
         print(f"tandem: serving '{plan.app_args.resolved_served_model_name()}' at {url}/v1", flush=True)
         print(f"tandem: try  curl {url}/v1/models   (Ctrl-C to stop)", flush=True)
+        print(f"tandem: Python handle: {_handle_hint(plan.name)}", flush=True)
         while True:
             processes.snapshot()  # HAProxy reloads start new processes: keep the list current
             time.sleep(5.0)
@@ -338,6 +339,19 @@ def _url(plan: ServePlan) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     prefix = plan.route_prefix.rstrip("/")
     return f"http://{shown}:{port}{prefix}"
+
+
+def _handle_hint(name: str) -> str:
+    """How a script on this machine reaches the app's handle (README's example): the Ray address to join."""
+    import ray
+
+    env = f"RAY_ADDRESS={ray.get_runtime_context().gcs_address}"
+    if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray auto-enables its token only for address="auto"
+        env += " RAY_AUTH_MODE=token"
+    return (
+        f'ray.init(address="auto") then serve.get_app_handle("{name}"); with other Ray instances on this '
+        f"machine, set {env}"
+    )
 
 
 def _stop(name: str, started_ray: bool) -> None:

@@ -24,7 +24,8 @@ ray_tandem_time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 2.0
 
 def test_tandem_families_only() -> None:
     text = tandem_families(RAY_EXPOSITION)
-    assert "ray_tandem_prompt_tokens_total{" in text and "# TYPE ray_tandem_prompt_tokens_total counter" in text
+    assert "ray_tandem_prompt_tokens_total{" in text
+    assert "# TYPE ray_tandem_prompt_tokens_total counter" in text
     assert "ray_tandem_time_to_first_token_seconds_bucket" in text and "cpu" not in text
 
 
