@@ -186,6 +186,7 @@ class LLM:
                     continue
                 if out.cached_tokens is not None:
                     res.num_cached_tokens = out.cached_tokens
+                res.add_prompt_logprobs(out.prompt_logprobs, out.prompt_top_logprobs)
                 if out.token_id is not None:
                     res.token_ids.append(out.token_id)
                     if out.logprob is not None:

@@ -71,6 +71,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             stuck_rank_timeout_s=app_args.stuck_rank_timeout_s,
             lora_modules=app_args.lora_modules,
             lora_dynamic_path=app_args.lora_dynamic_path,
+            reasoning_parser=app_args.reasoning_parser,
         )
     )
     return with_route_ingress(app, app_args)

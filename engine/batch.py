@@ -101,6 +101,19 @@ class AttentionGroupBatch:
 
 
 @dataclass(frozen=True)
+class PromptLogprobBatch:
+    """The prompt positions of a batch whose next-token log-probs were asked for (`prompt_logprobs`).
+
+    Only these positions' hidden states go through the LM head, beside each row's last token; a batch
+    where no row asks carries None and runs exactly as before.
+    """
+
+    token_index: torch.Tensor  # int64 [K], device: indices into the batch's T tokens
+    target_ids: torch.Tensor  # int64 [K], device: the prompt token that follows each position
+    num_top: int  # top alternatives to return per position (the most any row asked for); 0: none
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step: B rows, T new tokens in total, rows laid out back to back."""
 
@@ -115,6 +128,7 @@ class ForwardBatch:
     is_decode: bool  # every row extends by exactly one token
     # Each row's LoRA adapter slot, -1 for the base model (int32 [B], host); None when no row has one.
     lora_slots_cpu: torch.Tensor | None = None
+    prompt_logprobs: PromptLogprobBatch | None = None
 
     @property
     def batch_size(self) -> int:
@@ -135,3 +149,21 @@ class ForwardOutput:
     top_ids_host: torch.Tensor | None  # int64 [B, n]
     top_logprobs_host: torch.Tensor | None  # float32 [B, n]
     copy_done: Event
+    prompt: PromptLogprobs | None = None  # host copies, for a batch with a PromptLogprobBatch
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probs of prompt tokens under the model (float32 log-softmax of the raw logits)."""
+
+    logprobs: torch.Tensor  # float32 [K]: of each target id
+    top_ids: torch.Tensor | None  # int64 [K, n] when num_top > 0, best first
+    top_logprobs: torch.Tensor | None  # float32 [K, n]
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What a forward produced: each row's last-token logits, and the prompt log-probs it was asked for."""
+
+    logits: torch.Tensor  # [B, vocab], in the model's logits dtype
+    prompt: PromptLogprobs | None = None

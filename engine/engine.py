@@ -9,7 +9,14 @@ from collections.abc import Callable
 import torch
 
 from tandem.engine.attention import AttentionBackend, backend_factory
-from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
+from tandem.engine.batch import (
+    ForwardBatch,
+    ForwardOutput,
+    PromptLogprobBatch,
+    PromptLogprobs,
+    SamplingBatch,
+    StepLogits,
+)
 from tandem.engine.config import ModelConfig
 from tandem.engine.cuda_graph import DecodeGraphRunner
 from tandem.engine.distributed import TPGroup
@@ -26,10 +33,13 @@ from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.sampler import Sampler, SampleResult
-from tandem.engine.streams import StreamSet
+from tandem.engine.streams import Event, StreamSet
 from tandem.engine.weights import LoadReport, load_weights
 
 logger = logging.getLogger(__name__)
+# Prompt positions whose logits are taken at once: bounds the [K, vocab] float32 copy (a 150k vocabulary
+# makes it 600 MB per 1024 positions) however long the prompt.
+PROMPT_LOGPROB_CHUNK = 512
 
 
 class Engine:
@@ -179,25 +189,36 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        return self.sample(self.logits(batch), batch.sampling)
+        step = self.step_logits(batch)
+        return self.sample(step.logits, batch.sampling, step.prompt)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> ForwardOutput:
-        """Sample from `logits` (from `logits`) and start the copy of the tokens to the host. Apart from
-        `forward`, so the scheduler can launch a batch's forward before its token bitmasks are known."""
-        return self._copy_to_host(self.sampler(logits, sampling))
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingBatch, prompt: PromptLogprobs | None = None
+    ) -> ForwardOutput:
+        """Sample from `logits` (from `step_logits`) and start the copy of the tokens (and of `prompt`'s
+        log-probs) to the host. Apart from the forward, so the scheduler can launch a batch's forward
+        before its token bitmasks are known."""
+        return self._copy_to_host(self.sampler(logits, sampling), prompt)
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] for each row's last token, in `model.logits_dtype` (the forward without sampling)."""
+        return self.step_logits(batch).logits
+
+    @torch.inference_mode()
+    def step_logits(self, batch: ForwardBatch) -> StepLogits:
+        """The forward without sampling: each row's last-token logits, and the log-probs of the prompt
+        positions `batch.prompt_logprobs` lists. Such a batch runs eagerly or in piecewise graphs, which
+        keep every token's hidden state; a decode graph keeps only the last."""
         lora = self.lora
         adapters = lora is not None and batch.lora_slots_cpu is not None
         graphs = self.decode_graphs
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
-        if graphs is not None and graph_bs is not None:
+        if graphs is not None and graph_bs is not None and batch.prompt_logprobs is None:
             if lora is not None and adapters:
                 lora.plan(batch, graph=True)
-            return graphs.run(batch, graph_bs, lora=adapters)
+            return StepLogits(graphs.run(batch, graph_bs, lora=adapters))
         self.attention.plan(batch)
         bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
         if self.piecewise is not None and bucket is not None:
@@ -209,18 +230,42 @@ class Engine:
                 lora.plan(batch, graph=False)
             ctx = ForwardContext(self.attention, self.pool, EAGER_LORA if adapters else EAGER)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
+        prompt = None
+        if batch.prompt_logprobs is not None:
+            prompt = self._prompt_logprobs(hidden, batch.prompt_logprobs)
         if not batch.is_decode:  # decode rows are their own last token
             hidden = hidden[torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1]
-        return self.model.compute_logits(hidden)
+        return StepLogits(self.model.compute_logits(hidden), prompt)
 
-    def _copy_to_host(self, result: SampleResult) -> ForwardOutput:
+    def _prompt_logprobs(self, hidden: torch.Tensor, asked: PromptLogprobBatch) -> PromptLogprobs:
+        """Log-softmax of the raw logits at the asked positions only, a chunk of them at a time."""
+        vocab = self.sampler.vocab_size
+        chosen, top_ids, top_values = [], [], []
+        for start in range(0, int(asked.token_index.shape[0]), PROMPT_LOGPROB_CHUNK):
+            index = asked.token_index[start : start + PROMPT_LOGPROB_CHUNK]
+            logprobs = self.model.compute_logits(hidden[index])[:, :vocab].float().log_softmax(dim=-1)
+            targets = asked.target_ids[start : start + PROMPT_LOGPROB_CHUNK]
+            chosen.append(logprobs.gather(1, targets[:, None]).squeeze(1))
+            if asked.num_top > 0:
+                top = logprobs.topk(min(asked.num_top, vocab), dim=-1, sorted=True)
+                top_ids.append(top.indices)
+                top_values.append(top.values)
+        return PromptLogprobs(
+            torch.cat(chosen),
+            torch.cat(top_ids) if top_ids else None,
+            torch.cat(top_values) if top_values else None,
+        )
+
+    def _copy_to_host(self, result: SampleResult, prompt: PromptLogprobs | None = None) -> ForwardOutput:
         """Start the D2H copy on the copy stream; the caller waits on `copy_done` one step later."""
         done = self.streams.new_event()
         tensors = [result.next_tokens, result.logprobs, result.top_ids, result.top_logprobs]
+        if prompt is not None:
+            tensors += [prompt.logprobs, prompt.top_ids, prompt.top_logprobs]
         if not self.streams.is_cuda:
             hosts = [t.clone() if t is not None else None for t in tensors]
             done.record()
-            return ForwardOutput(result.next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done)  # type: ignore[arg-type]
+            return _output(result.next_tokens, hosts, done)
         producer = self.streams.current()
         copy = self.streams.copy if self.config.copy_stream else producer
         assert isinstance(copy, torch.cuda.Stream) and isinstance(producer, torch.cuda.Stream)
@@ -237,5 +282,14 @@ class Engine:
                 t.record_stream(copy)
                 hosts.append(host)
             done.record(copy)
-        assert hosts[0] is not None
-        return ForwardOutput(result.next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done)
+        return _output(result.next_tokens, hosts, done)
+
+
+def _output(next_tokens: torch.Tensor, hosts: list[torch.Tensor | None], done: Event) -> ForwardOutput:
+    """The ForwardOutput of `_copy_to_host`'s host copies, in the order it lists them."""
+    assert hosts[0] is not None
+    prompt = None
+    if len(hosts) > 4:
+        assert hosts[4] is not None
+        prompt = PromptLogprobs(hosts[4], hosts[5], hosts[6])
+    return ForwardOutput(next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done, prompt)

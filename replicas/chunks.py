@@ -24,3 +24,7 @@ class GenerationChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative, including this chunk
     cached_tokens: int | None = None  # on the first chunk: prompt tokens the prefix cache supplied
+    # On the first chunk, when the sampling asked for prompt_logprobs: each prompt token's log-prob from
+    # the second on, and (prompt_logprobs > 0) the top alternatives at each of those positions.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -58,6 +58,7 @@ class RemoteGroup:
                 out.text += chunk.text
                 out.logprobs.extend(chunk.logprobs or [])
                 out.top_logprobs.extend(chunk.top_logprobs or [])
+                out.add_prompt_logprobs(chunk.prompt_logprobs, chunk.prompt_top_logprobs)
                 if chunk.finish_reason is not None:
                     if chunk.finish_reason == "error":
                         raise RuntimeError(f"generation failed: {chunk.error}")

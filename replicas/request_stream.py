@@ -57,6 +57,9 @@ class RequestStream:
         slot = self._slot
         if out.cached_tokens is not None:
             slot.cached_tokens = out.cached_tokens
+        if out.prompt_logprobs is not None:
+            slot.prompt_logprobs = out.prompt_logprobs
+            slot.prompt_top_logprobs = out.prompt_top_logprobs
         if out.token_id is not None:
             self.completion_tokens += 1
             slot.token_ids.append(out.token_id)

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tandem.engine.batch import AttentionGroupBatch, SamplingBatch
+from tandem.engine.batch import AttentionGroupBatch, PromptLogprobBatch, SamplingBatch
 from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
@@ -51,6 +51,9 @@ class PreparedBatch:
     history_index: torch.Tensor | None  # int64 [B, L] token-pool indices, -1 past each row's length
     is_decode: bool
     lora_slots_cpu: torch.Tensor | None = None  # int32 [B]: each row's adapter slot; None: no adapters
+    # Prompt positions whose log-probs rows asked for, and (row, positions) in the order they are listed.
+    prompt_logprobs: PromptLogprobBatch | None = None
+    prompt_rows: tuple[tuple[int, int], ...] = ()
 
 
 class BatchBuilder:
@@ -108,6 +111,7 @@ class BatchBuilder:
             if self.lora
             else None
         )
+        prompt = self._stage_prompt_logprobs(stage, rows, slots, starts, lengths)
         sent = stage.send()
         dev, host = sent.device, sent.host
         return PreparedBatch(
@@ -134,6 +138,10 @@ class BatchBuilder:
             history_index=None if history is None else dev(history),
             is_decode=is_decode,
             lora_slots_cpu=torch.from_numpy(lora) if lora is not None and (lora >= 0).any() else None,
+            prompt_logprobs=None
+            if prompt is None
+            else PromptLogprobBatch(dev(prompt.index), dev(prompt.targets), prompt.num_top),
+            prompt_rows=() if prompt is None else prompt.rows,
         )
 
     def _stage_group(
@@ -217,6 +225,34 @@ class BatchBuilder:
             "bias_values": stage.add(values, np.float32),
         }
 
+    def _stage_prompt_logprobs(
+        self, stage: Staging, rows: list[Row], slots: IntArray, starts: IntArray, lengths: IntArray
+    ) -> _StagedPrompt | None:
+        """The positions of this step's prompt tokens, in rows that asked for prompt log-probs, whose
+        next token is a prompt token too (position p scores token p + 1), with those next tokens. One
+        numpy test per batch when no row asked."""
+        top = self.params.prompt_logprobs[slots]
+        prompt_lens = self.params.prompt_len[slots]
+        asked = np.flatnonzero((top >= 0) & (starts < prompt_lens - 1))
+        if not len(asked):
+            return None
+        offsets = np.cumsum(lengths) - lengths  # each row's first token in the batch
+        index: list[IntArray] = []
+        targets: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i in asked.tolist():
+            row = rows[i]
+            end = min(row.start + row.length, row.req.prompt_len - 1)
+            index.append(np.arange(offsets[i], offsets[i] + end - row.start, dtype=np.int64))
+            targets.extend(row.req.prompt_ids[row.start + 1 : end + 1])
+            spans.append((i, end - row.start))
+        return _StagedPrompt(
+            index=stage.add(np.concatenate(index), np.int64),
+            targets=stage.add(targets, np.int64),
+            num_top=int(top[asked].max()),
+            rows=tuple(spans),
+        )
+
     def _stage_history(self, stage: Staging, slots: IntArray, device_lens: IntArray) -> int | None:
         if not self.params.has_penalty[slots].any():
             return None
@@ -226,6 +262,14 @@ class BatchBuilder:
         cols = np.arange(int(lengths.max()))[None, :]
         base = (slots * self.table.max_seq_len)[:, None]
         return stage.add(np.where(cols < lengths[:, None], base + cols, -1), np.int64)
+
+
+@dataclass(frozen=True)
+class _StagedPrompt:
+    index: int  # staged int64 [K]: token indices in the batch
+    targets: int  # staged int64 [K]
+    num_top: int
+    rows: tuple[tuple[int, int], ...]  # (row, positions), in the order of `index`
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import xgrammar as xgr
 
+from tandem.scheduler.json_strings import rewrite_schema_text
 from tandem.scheduler.messages import GrammarSpec
 
 # Distinct grammars kept compiled (an LRU): a compiled JSON schema holds a per-token mask cache, of a
@@ -37,11 +38,12 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.Compil
     """Raise ValueError with xgrammar's reason when the spec is not a grammar it accepts.
 
     JSON comes out compact (no free whitespace between tokens): a model may otherwise spend its budget
-    on whitespace that the grammar allows without end.
+    on whitespace that the grammar allows without end. Bounded strings are rewritten first
+    (json_strings.py), so they stay strict JSON.
     """
     try:
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.text, any_whitespace=False)
+            return compiler.compile_json_schema(rewrite_schema_text(spec.text), any_whitespace=False)
         if spec.kind == "json_object":
             # OpenAI's JSON mode: any object. Non-strict, so it may carry properties of any name.
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -114,8 +116,11 @@ class GrammarState:
     never touches the matcher while a bitmask fill of the next step may be reading it on another thread.
     """
 
-    def __init__(self, compiled: Future[xgr.CompiledGrammar]) -> None:
+    def __init__(self, compiled: Future[xgr.CompiledGrammar], after_token: int | None = None) -> None:
         self._compiled = compiled
+        # A reasoning model's end-of-thinking token: until it is sampled the output is free, and the
+        # grammar constrains what follows it (its mask is all ones, its matcher is not fed).
+        self.waiting_for = after_token
         self._matcher: xgr.GrammarMatcher | None = None
         self.vocab_size = 0  # xgrammar's vocabulary size (the bitmask's width), once compiled
         self.failed: str | None = None
@@ -147,6 +152,11 @@ def accept_tokens(states: list[GrammarState], tokens: list[int]) -> None:
     live: list[tuple[GrammarState, xgr.GrammarMatcher]] = []
     offered: list[int] = []
     for state, token in zip(states, tokens, strict=True):
+        if state.waiting_for is not None:
+            if token == state.waiting_for:
+                state.waiting_for = None  # the grammar starts with the next token
+            state.refused = state.terminated = False
+            continue
         matcher = state.matcher()
         if matcher is None:
             state.refused, state.terminated = True, False
@@ -210,8 +220,8 @@ class BitmaskFiller:
         bitmask = buffer.masks[: len(states)]
         live: list[tuple[int, xgr.GrammarMatcher]] = []
         for i, (state, matcher) in enumerate(zip(states, matchers, strict=True)):
-            if matcher is not None and not state.terminated:  # as the last accept left it
-                live.append((i, matcher))
+            if matcher is not None and not state.terminated and state.waiting_for is None:
+                live.append((i, matcher))  # the last accept left it live and past any reasoning
             else:  # a failed or finished row is dropped at result time; any token will do
                 bitmask[i].fill_(-1)
         started = threading.Event()

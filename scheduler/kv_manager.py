@@ -127,6 +127,8 @@ class KVManager:
         how many prompt tokens were looked up."""
         if self.cache is None:
             return 0
+        if req.sampling.prompt_logprobs is not None:
+            return 0  # every prompt position needs its logits, and a cached prefix has none (as vLLM)
         usable = (req.prompt_len - 1) // self.page_size * self.page_size
         match = self.cache.match_prefix(cache_key(req, req.prompt_ids[:usable]), count=False)
         if match.num_tokens == 0:

@@ -15,6 +15,7 @@ class GrammarSpec(msgspec.Struct, frozen=True):
 
     kind: str
     text: str = ""
+    after_token: int | None = None  # the constraint starts after this token (a reasoning model's </think>)
 
 
 class SamplingSpec(msgspec.Struct, frozen=True):
@@ -35,6 +36,7 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), bias already capped to +-100
     grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt log-probs
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
@@ -90,6 +92,8 @@ class TokenOutput(msgspec.Struct, frozen=True):
 
     `cached_tokens` is set on a request's first token only: how many prompt tokens the radix cache
     supplied at admission (whole pages; `usage.prompt_tokens_details.cached_tokens` downstream).
+    `prompt_logprobs` too, for a request that asked: the log-prob of each prompt token after the first
+    (the first has none), and `prompt_top_logprobs` the top alternatives at each of those positions.
     """
 
     rid: int
@@ -98,3 +102,5 @@ class TokenOutput(msgspec.Struct, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     cached_tokens: int | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -38,8 +38,18 @@ class ResultProcessor:
         accept_tokens(states, offered)
         return tokens
 
-    def process(self, rows: list[Row], output: ForwardOutput, tokens: list[int]) -> None:
-        """Append each sampling row's token (`tokens`, from `accept_constrained`) and decide finishes."""
+    def process(
+        self,
+        rows: list[Row],
+        output: ForwardOutput,
+        tokens: list[int],
+        prompt_rows: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        """Append each sampling row's token (`tokens`, from `accept_constrained`) and decide finishes.
+        `prompt_rows`: (row, positions) whose prompt log-probs `output.prompt` holds, in order; a request's
+        are sent with its first token, once its whole prompt is scored."""
+        if prompt_rows:
+            self._take_prompt_logprobs(rows, output, prompt_rows)
         logprobs = output.logprobs_host.tolist() if output.logprobs_host is not None else None
         top_ids = output.top_ids_host.tolist() if output.top_ids_host is not None else None
         top_vals = output.top_logprobs_host.tolist() if output.top_logprobs_host is not None else None
@@ -72,7 +82,33 @@ class ResultProcessor:
                 logprob = float(logprobs[i])
                 if spec.logprobs > 0 and top_ids is not None and top_vals is not None:
                     top = list(zip(top_ids[i][: spec.logprobs], top_vals[i][: spec.logprobs]))
-            cached = req.cached_prefix if len(req.output_ids) == 1 else None  # the first token carries it
-            outs.append(TokenOutput(req.rid, token, req.finish_reason, logprob, top, cached))
+            first = len(req.output_ids) == 1
+            cached = req.cached_prefix if first else None  # the first token carries it
+            prompt = prompt_top = None
+            if first and spec.prompt_logprobs is not None:
+                prompt = req.prompt_logprobs
+                prompt_top = req.prompt_top_logprobs if spec.prompt_logprobs > 0 else None
+            outs.append(
+                TokenOutput(req.rid, token, req.finish_reason, logprob, top, cached, prompt, prompt_top)
+            )
         if outs:
             self.emit(outs)
+
+    @staticmethod
+    def _take_prompt_logprobs(
+        rows: list[Row], output: ForwardOutput, prompt_rows: tuple[tuple[int, int], ...]
+    ) -> None:
+        assert output.prompt is not None, "a batch that listed prompt positions returns their log-probs"
+        values: list[float] = output.prompt.logprobs.tolist()
+        ids = output.prompt.top_ids.tolist() if output.prompt.top_ids is not None else None
+        tops = output.prompt.top_logprobs.tolist() if output.prompt.top_logprobs is not None else None
+        at = 0
+        for i, count in prompt_rows:
+            req = rows[i].req
+            req.prompt_logprobs.extend(values[at : at + count])
+            wanted = req.sampling.prompt_logprobs or 0
+            if wanted > 0 and ids is not None and tops is not None:
+                req.prompt_top_logprobs.extend(
+                    list(zip(ids[j][:wanted], tops[j][:wanted])) for j in range(at, at + count)
+                )
+            at += count

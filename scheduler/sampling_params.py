@@ -26,11 +26,15 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # Not a constraint of its own: a reasoning model's end-of-thinking token id, after which the constraint
+    # starts (vLLM's reasoning-aware structured outputs); None constrains from the first token.
+    after_token: int | None = None
 
     def spec(self) -> GrammarSpec:
         """The wire form every rank compiles (a schema as compact JSON, its key order kept: it is the
         order of the output's properties). Raises ValueError unless exactly one field is set."""
-        chosen = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        constraints = [f.name for f in fields(self) if f.name != "after_token"]
+        chosen = [name for name in constraints if getattr(self, name) not in (None, False)]
         if len(chosen) != 1:
             raise ValueError(
                 f"structured_outputs needs exactly one of json, regex, choice, grammar, "
@@ -40,16 +44,19 @@ class StructuredOutputs:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
-            return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
+            return self._spec("json_schema", json.dumps(schema, separators=(",", ":")))
         if self.regex is not None:
-            return GrammarSpec("regex", self.regex)
+            return self._spec("regex", self.regex)
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
-            return GrammarSpec("choice", json.dumps(list(self.choice)))
+            return self._spec("choice", json.dumps(list(self.choice)))
         if self.grammar is not None:
-            return GrammarSpec("grammar", self.grammar)
-        return GrammarSpec("json_object")
+            return self._spec("grammar", self.grammar)
+        return self._spec("json_object")
+
+    def _spec(self, kind: str, text: str = "") -> GrammarSpec:
+        return GrammarSpec(kind, text, self.after_token)
 
 
 @dataclass
@@ -74,6 +81,10 @@ class SamplingParams:
     # token id -> value added to its logit (OpenAI's logit_bias; values beyond +-100 are capped).
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: the log-prob of every prompt token (the first has none, RequestOutput.prompt_logprobs), with
+    # this many top alternatives at each position. Such requests skip the prefix cache (a cached prefix
+    # has no logits), as in vLLM.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and its allowed range."""
@@ -89,6 +100,11 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an int"),
             (

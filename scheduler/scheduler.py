@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, ForwardOutput, SamplingBatch
+from tandem.engine.batch import ForwardBatch, ForwardOutput, PromptLogprobs, SamplingBatch, StepLogits
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
@@ -40,9 +40,11 @@ class EngineLike(Protocol):
 
     def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
 
-    def logits(self, batch: ForwardBatch) -> torch.Tensor: ...
+    def step_logits(self, batch: ForwardBatch) -> StepLogits: ...
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> ForwardOutput: ...
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingBatch, prompt: PromptLogprobs | None = None
+    ) -> ForwardOutput: ...
 
 
 @dataclass
@@ -56,7 +58,7 @@ class InFlight:
     prepared: PreparedBatch
     output: ForwardOutput | None
     sampling: SamplingBatch | None = None  # set while the sample is pending
-    logits: torch.Tensor | None = None
+    logits: StepLogits | None = None
     grammar_rows: list[int] | None = None  # batch rows with a matcher that sample this step
     bitmask: Future[torch.Tensor] | None = None  # their masks, being filled on the filler's worker
 
@@ -122,7 +124,8 @@ class Scheduler:
                     self.results.emit_finish(msg.rid, "abort")
                     return
                 # The compile starts now, on its thread; the matcher is first needed after the prefill.
-                req.grammar = GrammarState(self.grammars.compile(msg.sampling.grammar))
+                spec = msg.sampling.grammar
+                req.grammar = GrammarState(self.grammars.compile(spec), after_token=spec.after_token)
             self.waiting[msg.rid] = req
         elif isinstance(msg, AbortRequest):
             self._abort(msg.rid)
@@ -283,6 +286,7 @@ class Scheduler:
             sampling=sampling,
             is_decode=prepared.is_decode,
             lora_slots_cpu=prepared.lora_slots_cpu,
+            prompt_logprobs=prepared.prompt_logprobs,
         )
         rows = prepared.rows
         grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
@@ -290,7 +294,7 @@ class Scheduler:
             output = self.engine.forward(batch)
             pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
             return InFlight(prepared, output)
-        flight = InFlight(prepared, None, batch.sampling, self.engine.logits(batch), grammar_rows)
+        flight = InFlight(prepared, None, batch.sampling, self.engine.step_logits(batch), grammar_rows)
         if not defer_masks:
             self._sample(flight)
         return flight
@@ -319,7 +323,7 @@ class Scheduler:
             bitmask, index = self._bitmasks.upload(flight.bitmask.result(), flight.grammar_rows, self.device)
             self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
-        flight.output = self.engine.sample(flight.logits, sampling)
+        flight.output = self.engine.sample(flight.logits.logits, sampling, flight.logits.prompt)
         self.table.token_pool.index_copy_(0, flight.prepared.output_mapping, flight.output.next_tokens)
         flight.sampling = flight.logits = flight.bitmask = None
 
@@ -337,7 +341,7 @@ class Scheduler:
         self.last_processed = batch_id
         self.inflight_pages.pop(batch_id, None)
         self.kv.flush(batch_id)
-        self.results.process(rows, done.output, tokens)
+        self.results.process(rows, done.output, tokens, done.prepared.prompt_rows)
         for row in rows:
             if row.req.finish_reason is not None:
                 self._release_if_idle(row.req)

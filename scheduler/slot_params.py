@@ -49,6 +49,7 @@ class SlotParams:
         self.explicit_seed = np.zeros(n, dtype=bool)
         self.has_penalty = np.zeros(n, dtype=bool)
         self.logprobs = np.full(n, -1, dtype=np.int64)  # -1: none requested
+        self.prompt_logprobs = np.full(n, -1, dtype=np.int64)  # top alternatives per prompt token; -1: none
         # Additive logit constraints (engine/constraints.py): logit_bias always, and -inf on the tokens
         # that would end the output while fewer than min_tokens outputs are scheduled.
         self.has_bias = np.zeros(n, dtype=bool)
@@ -71,6 +72,7 @@ class SlotParams:
         )
         self.prompt_len[slot] = prompt_len
         self.logprobs[slot] = -1 if spec.logprobs is None else spec.logprobs
+        self.prompt_logprobs[slot] = -1 if spec.prompt_logprobs is None else spec.prompt_logprobs
         self.has_bias[slot] = bool(spec.logit_bias)
         self.bias[slot] = ([t for t, _ in spec.logit_bias], [b for _, b in spec.logit_bias])
         # Under a grammar the grammar decides where the output ends (it may allow nothing but the end

@@ -20,8 +20,22 @@ BENCHMARKS = {
 }
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def tandem_version() -> str:
+    """The installed distribution's version (the source tree's pyproject when run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="An LLM serving cluster on Ray.")
+    parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,batch,bench}")
 
     serve = commands.add_parser(
@@ -58,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--chat-template", default=None, help="A Jinja chat template file (or inline template) to use."
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="Split <think>...</think> out of chat replies into reasoning_content (as vLLM's flag).",
     )
     serve.add_argument(
         "--drain-timeout",
@@ -97,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-dynamic-path",
         default=None,
         help="A folder of adapters: `<model>:<name>` loads <folder>/<name> on first use. Turns LoRA on.",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="Level of the Ray, Serve and HAProxy log lines shown while serving (default warning: "
+        "tandem's own progress lines and warnings only; info shows Serve's start-up and access logs).",
     )
     serve.add_argument("--name", default=None, help=f"Serve application name (default {DEFAULT_APP_NAME}).")
     serve.add_argument(

@@ -7,6 +7,7 @@ On exit it leaves nothing behind: the Ray it started goes down, and any process 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
 import yaml
 
 from tandem.deploy.app import REPLICA_CPUS
@@ -28,7 +30,11 @@ from tandem.deploy.guards.shutdown import (
     drain_app,
     raise_terminate,
 )
-from tandem.deploy.routing.ingress_mode import ray_environment, resolve_ingress
+from tandem.deploy.routing.ingress_mode import (
+    haproxy_wrapper_environment,
+    ray_environment,
+    resolve_ingress,
+)
 from tandem.engine.environment import ray_address, serve_host
 
 DEPLOY_TIMEOUT_S = 3600.0  # large models download and load for a long time; progress shows it is alive
@@ -58,6 +64,7 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     overrides["chat_template"] = getattr(args, "chat_template", None)
     overrides["lora_modules"] = getattr(args, "lora_modules", None)
     overrides["lora_dynamic_path"] = getattr(args, "lora_dynamic_path", None)
+    overrides["reasoning_parser"] = getattr(args, "reasoning_parser", None)
     app_args.update({k: v for k, v in overrides.items() if v is not None})
     engine = {
         k: getattr(args, k, None)
@@ -112,23 +119,37 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.deploy.app import build_app
 
     plan = plan_from_cli(args)
+    log_level = str(getattr(args, "log_level", None) or "warning").upper()
+    quiet_driver_logs(log_level)
     processes = ProcessTree()
     started_ray = False
     # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
     state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     try:
-        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress, state_dir)
+        started_ray = _connect_ray(
+            args.address, plan, args.metrics_port, args.ingress, state_dir, log_level
+        )
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)
-        serve.start(http_options={"host": plan.host, "port": plan.port})
-        serve._run(build_app(plan.app_args), _blocking=False, name=plan.name, route_prefix=plan.route_prefix)
+        # Serve's controller, proxies and HAProxy log at this level; so do the app's replicas (their
+        # access log lines are INFO).
+        logging_config = {"log_level": log_level}
+        serve.start(http_options={"host": plan.host, "port": plan.port}, logging_config=logging_config)
+        serve._run(
+            build_app(plan.app_args),
+            _blocking=False,
+            name=plan.name,
+            route_prefix=plan.route_prefix,
+            logging_config=logging_config,
+        )
         if not wait_until_running(plan.name, plan.app_args.resolved_served_model_name(), sys.stderr):
             return 1
         _print_admission(plan)
         url = _url(plan)
         print(f"tandem: serving '{plan.app_args.resolved_served_model_name()}' at {url}/v1", flush=True)
         print(f"tandem: try  curl {url}/v1/models   (Ctrl-C to stop)", flush=True)
+        print(f"tandem: Python handle: {_handle_hint(plan.name)}", flush=True)
         while True:
             processes.snapshot()  # HAProxy reloads start new processes: keep the list current
             time.sleep(5.0)
@@ -177,8 +198,19 @@ def _print_admission(plan: ServePlan) -> None:
     )
 
 
+def quiet_driver_logs(level: str) -> None:
+    """Ray's and Serve's loggers in this process at `level` (Ray's INFO lines would bury tandem's own)."""
+    for name in ("ray", "ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(level)
+
+
 def _connect_ray(
-    address: str | None, plan: ServePlan, metrics_port: int, ingress: str, state_dir: str
+    address: str | None,
+    plan: ServePlan,
+    metrics_port: int,
+    ingress: str,
+    state_dir: str,
+    log_level: str = "WARNING",
 ) -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
 
@@ -188,7 +220,7 @@ def _connect_ray(
     existing = address or ray_address() or _ray_start_address()
     if existing:
         try:
-            ray.init(address=existing)
+            ray.init(address=existing, logging_level=logging.getLevelName(log_level))
             print(f"tandem: joined the Ray cluster at {existing}", file=sys.stderr, flush=True)
             if ingress != "auto":
                 print(
@@ -215,11 +247,19 @@ def _connect_ray(
     print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
     # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
     # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
-    for key, value in ray_environment(mode, state_dir).items():
+    environment = ray_environment(mode, state_dir)
+    if mode == "haproxy":
+        environment.update(haproxy_wrapper_environment(state_dir, plan.host))
+    for key, value in environment.items():
         os.environ[key] = value
     # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
     # without its web assets waits a minute for it at start. Metrics export does not need it.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _metrics_export_port=metrics_port)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        logging_level=logging.getLevelName(log_level),
+    )
     print(
         f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "
         f"http://127.0.0.1:{metrics_port}/metrics",
@@ -239,18 +279,37 @@ def _ray_start_address() -> str | None:
         return None
 
 
-def wait_until_running(name: str, served: str, out: TextIO, timeout_s: float = DEPLOY_TIMEOUT_S) -> bool:
-    """Poll Serve until the app runs, printing its deployments' progress while the model loads."""
+def command_started_at() -> float:
+    """When this process started (wall clock): the figures a user times are from the command's start."""
+    try:
+        return float(psutil.Process().create_time())
+    except psutil.Error:
+        return time.time()
+
+
+def wait_until_running(
+    name: str,
+    served: str,
+    out: TextIO,
+    timeout_s: float = DEPLOY_TIMEOUT_S,
+    since: float | None = None,
+) -> bool:
+    """Poll Serve until the app runs, printing its deployments' progress while the model loads. Times
+    count from `since` (wall clock; the command's start by default), as the user times them."""
     from ray import serve
 
+    origin = command_started_at() if since is None else since
     start = time.monotonic()
     last_line, last_print = "", 0.0
     interactive = out.isatty()
     while time.monotonic() - start < timeout_s:
         app = serve.status().applications.get(name)
-        elapsed = time.monotonic() - start
+        elapsed = time.time() - origin
         if app is not None and app.status == "RUNNING":
-            out.write(("\r" if interactive else "") + f"tandem: '{served}' is ready after {elapsed:.0f}s\n")
+            out.write(
+                ("\r" if interactive else "")
+                + f"tandem: '{served}' is ready after {elapsed:.0f}s (from the command's start)\n"
+            )
             out.flush()
             return True
         if app is not None and app.status == "DEPLOY_FAILED":
@@ -296,6 +355,19 @@ def _url(plan: ServePlan) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     prefix = plan.route_prefix.rstrip("/")
     return f"http://{shown}:{port}{prefix}"
+
+
+def _handle_hint(name: str) -> str:
+    """How a script on this machine reaches the app's handle (README's example): the Ray address to join."""
+    import ray
+
+    env = f"RAY_ADDRESS={ray.get_runtime_context().gcs_address}"
+    if os.environ.get("RAY_AUTH_MODE") == "token":  # Ray auto-enables its token only for address="auto"
+        env += " RAY_AUTH_MODE=token"
+    return (
+        f'ray.init(address="auto") then serve.get_app_handle("{name}"); with other Ray instances on this '
+        f"machine, set {env}"
+    )
 
 
 def _stop(name: str, started_ray: bool) -> None:

@@ -205,6 +205,12 @@ class AppArgs(BaseModel):
         "`<served_model_name>:<name>` serves `<folder>/<name>`, loaded on first use (Ray Serve LLM's "
         "dynamic LoRA loading). Turns engine.enable_lora on.",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        default=None,
+        description="Split a reasoning model's <think>...</think> out of chat replies into "
+        "`reasoning_content` (as vLLM's --reasoning-parser); tool calls and structured outputs then apply "
+        "to what follows the reasoning.",
+    )
     stuck_rank_timeout_s: float = Field(
         default=DEFAULT_STUCK_RANK_TIMEOUT_S,
         gt=0.0,

@@ -69,6 +69,7 @@ class JobRun:
         self._tokens = 0
         self._first_token_seen = False
         self._closed = False
+        self._prompts: dict[int, list[int]] = {}  # with echo: the choices whose prompt is still to be sent
 
     async def submit(self, index: int, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Send one choice to the ranks."""
@@ -81,6 +82,8 @@ class JobRun:
         )
         self._streams.append((index, stream))
         self._by_index[index] = stream
+        if self.job.echo:
+            self._prompts[index] = prompt_ids
         self._untaken += 1
         self._on_output(index)  # output may have arrived before the stream was known here
 
@@ -134,15 +137,34 @@ class JobRun:
         logprobs = None
         if self.job.token_strings and chunk.logprobs is not None:
             logprobs = self._token_strings.entries(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+        text, token_ids, finish_reason = chunk.text, chunk.token_ids, chunk.finish_reason
+        if self.job.echo_only:  # the one token generated along with the prompt's scores is not shown
+            text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+            if finish_reason in ("stop", "length"):
+                finish_reason = "length"
+        prompt = self._prompts.get(index)
+        if prompt is not None and (chunk.token_ids or chunk.finish_reason is not None):
+            del self._prompts[index]
+            text = self._prompt_text(index, prompt) + text
+            if self.job.token_strings:
+                entries = self._token_strings.prompt_entries(
+                    prompt, chunk.prompt_logprobs, chunk.prompt_top_logprobs
+                )
+                logprobs = entries + (logprobs or [])
         return ChoiceDelta(
             index=index,
-            text=chunk.text,
-            token_ids=chunk.token_ids,
+            text=text,
+            token_ids=token_ids,
             logprobs=logprobs,
-            finish_reason=chunk.finish_reason,
+            finish_reason=finish_reason,
             error=chunk.error,
             cached_tokens=chunk.cached_tokens,
         )
+
+    def _prompt_text(self, index: int, prompt_ids: list[int]) -> str:
+        """The prompt as the client sent it: its string, or a token-id prompt's decoded text."""
+        sent = (self.job.prompts or [])[index // self.job.n]
+        return sent if isinstance(sent, str) else self._token_strings.decode(prompt_ids)
 
     async def close(self) -> None:
         """Release every choice (aborting on the ranks those still running) and record the job."""

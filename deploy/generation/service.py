@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tandem.deploy.generation.job_run import JobRun, Submitter
@@ -84,6 +84,7 @@ class GenerationService:
         self._tokenizer = replica.tokenizer
         self._vocab_size = vocab_size if vocab_size is not None else len(replica.tokenizer)
         self._token_strings = TokenStrings(replica.tokenizer)
+        self._single_tokens: dict[str, int | None] = {}  # tag text -> its token id, if it is one token
 
     async def start(
         self, job: GenerateJob, on_engine_done: Callable[[], None] | None = None
@@ -94,6 +95,7 @@ class GenerationService:
         the HTTP response start. `on_engine_done` is called once every choice's last token has arrived
         (or the run is closed first)."""
         self._metrics.queue_time(time.time() - job.arrival_time)
+        job = self._constrain_after_reasoning(job)
         try:
             prompts = await self._tokenize(job)
             choices = self._choices(job, prompts)
@@ -117,6 +119,25 @@ class GenerationService:
         return run
 
     # -- input -------------------------------------------------------------------------------------
+
+    def _constrain_after_reasoning(self, job: GenerateJob) -> GenerateJob:
+        """Under a reasoning parser, a chat's output constraint (a schema, a forced tool call) starts after
+        the end-of-thinking token, as vLLM's reasoning-aware structured outputs do. A tokenizer without
+        that tag as one token of its own constrains from the first token."""
+        constraint = job.sampling.structured_outputs
+        if job.reasoning_end is None or constraint is None:
+            return job
+        token = self._single_token(job.reasoning_end)
+        if token is None:
+            return job
+        sampling = replace(job.sampling, structured_outputs=replace(constraint, after_token=token))
+        return replace(job, sampling=sampling)
+
+    def _single_token(self, text: str) -> int | None:
+        if text not in self._single_tokens:
+            ids = self._encode(text, "messages", add_special_tokens=False)
+            self._single_tokens[text] = ids[0] if len(ids) == 1 else None
+        return self._single_tokens[text]
 
     async def _check_constraints(self, job: GenerateJob) -> None:
         bad = [t for t in job.sampling.logit_bias or {} if t >= self._vocab_size]

@@ -23,6 +23,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "web_search_options": (),
     "reasoning_effort": (),
+    "verbosity": (),
+    "metadata": ({},),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (),
+    "use_beam_search": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
 }
 
 

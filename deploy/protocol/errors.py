@@ -21,6 +21,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         message = _encodable(message)
         super().__init__(message)
@@ -29,13 +30,14 @@ class OpenAIError(Exception):
         self.type = type
         self.param = _encodable(param) if param is not None else None
         self.code = code
+        self.retry_after_s = retry_after_s  # HTTP's Retry-After, on a 503 that a retry soon may pass
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Ray pickles exceptions across processes; keep the keyword-only fields.
-        return (_rebuild, (self.status, self.message, self.type, self.param, self.code))
+        return (_rebuild, (self.status, self.message, self.type, self.param, self.code, self.retry_after_s))
 
 
 def _encodable(text: str) -> str:
@@ -44,8 +46,10 @@ def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _rebuild(status: int, message: str, type: str, param: str | None, code: str | None) -> OpenAIError:
-    return OpenAIError(status, message, type=type, param=param, code=code)
+def _rebuild(
+    status: int, message: str, type: str, param: str | None, code: str | None, retry_after_s: int | None
+) -> OpenAIError:
+    return OpenAIError(status, message, type=type, param=param, code=code, retry_after_s=retry_after_s)
 
 
 def invalid_request(message: str, *, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
@@ -71,8 +75,15 @@ def adapter_not_found(name: str) -> OpenAIError:
     )
 
 
+# What an overloaded replica tells clients to wait before retrying: about the time a running request
+# takes to make room, short enough that the OpenAI SDK's retries (which honour it) keep the load on.
+OVERLOAD_RETRY_AFTER_S = 1
+
+
 def overloaded(message: str) -> OpenAIError:
-    return OpenAIError(503, message, type="server_error", code="overloaded")
+    return OpenAIError(
+        503, message, type="server_error", code="overloaded", retry_after_s=OVERLOAD_RETRY_AFTER_S
+    )
 
 
 def unavailable(message: str) -> OpenAIError:
@@ -94,6 +105,9 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         message = next(e.get("msg", "") for e in errors if e.get("type") == "json_invalid")
         return invalid_request(f"the body is not valid JSON: {message}", code="invalid_json")
+    unknown = unrecognized_fields(errors)
+    if unknown:
+        return unrecognized(unknown)
     # A union reports one error per member (e.g. `stop` as a string, and as a list of strings); the
     # deepest one is the member the client meant, e.g. `stop.0` for `"stop": [""]`.
     # Prefer a value error (a range, a length) over "wrong type", then the deepest: for `"prompt": [1, -1]`
@@ -111,6 +125,24 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
         message += f" (also invalid: {', '.join(others)})"
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
     return invalid_request(message, param=param, code=code)
+
+
+def unrecognized_fields(errors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The body's top-level fields that no request model declares, in the order they came."""
+    names: list[str] = []
+    for error in errors:
+        path = _field_path(error)
+        if error.get("type") == "extra_forbidden" and len(path) == 1 and path[0] not in names:
+            names.append(path[0])
+    return names
+
+
+def unrecognized(names: Sequence[str]) -> OpenAIError:
+    """OpenAI's 400 for fields it does not know, naming each of them."""
+    noun = "argument" if len(names) == 1 else "arguments"
+    return invalid_request(
+        f"Unrecognized request {noun} supplied: {', '.join(names)}", param=names[0], code="unknown_parameter"
+    )
 
 
 def _field_path(error: Mapping[str, Any]) -> list[str]:

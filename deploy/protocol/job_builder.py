@@ -20,6 +20,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     structured: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; `max_tokens=None` (rest of the context) is resolved server-side."""
     check_supported(req, req.n)
@@ -41,6 +42,7 @@ def sampling_params(
         min_tokens=req.min_tokens,
         logit_bias=logit_bias(req),
         structured_outputs=structured,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()  # pydantic already checked the ranges; this keeps both in step
@@ -52,9 +54,24 @@ def sampling_params(
 
 def completion_job(req: CompletionRequest, request_id: str, arrival_time: float) -> GenerateJob:
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    echo_only = req.echo and max_tokens == 0
+    if max_tokens == 0 and not echo_only:
+        raise invalid_request("max_tokens: must be >= 1 (0 only with echo=true)", param="max_tokens")
+    if echo_only:
+        # As vLLM does: one token is generated and dropped, so the prompt is scored in the same pass.
+        max_tokens = 1
     structured, field = structured_outputs(req)
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, structured=structured)
+    params = sampling_params(
+        req,
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+        structured=structured,
+        # echo with logprobs: the prompt's tokens come back scored too, with as many alternatives.
+        prompt_logprobs=req.logprobs if req.echo else None,
+    )
     return GenerateJob(
+        echo=req.echo,
+        echo_only=echo_only,
         structured_param=field,
         request_id=request_id,
         sampling=params,

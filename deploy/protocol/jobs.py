@@ -33,6 +33,9 @@ class GenerateJob:
     tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool dicts, handed to the chat template
     tool_mode: ToolMode | None = None  # chat: how replies are read for tool calls
     lora: LoRARequest | None = None  # the LoRA adapter the request's `model` names; None: the base model
+    echo: bool = False  # completions: each choice starts with its prompt (and its logprobs, if asked)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, its one sampled token dropped
+    reasoning_end: str | None = None  # chat under a reasoning parser: output constraints start after it
 
     @property
     def num_choices(self) -> int:
@@ -57,7 +60,7 @@ class JobRejected:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing precedes
     top: list[tuple[str, float]] = field(default_factory=list)  # best first
 
 

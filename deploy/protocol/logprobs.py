@@ -25,6 +25,22 @@ class TokenStrings:
             self._cache[token_id] = text
         return text
 
+    def decode(self, token_ids: list[int]) -> str:
+        """A token-id prompt's text, as echo returns it."""
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def prompt_entries(
+        self,
+        prompt_ids: list[int],
+        logprobs: list[float] | None,
+        top_logprobs: list[list[tuple[int, float]]] | None,
+    ) -> list[TokenLogprob]:
+        """A prompt's tokens with their logprobs (position 1 on: `logprobs`); the first has none."""
+        first = TokenLogprob(token_id=prompt_ids[0], token=self.text(prompt_ids[0]), logprob=None)
+        if logprobs is None:  # the ranks sent none (the request failed first)
+            return [first]
+        return [first, *self.entries(prompt_ids[1:], logprobs, top_logprobs)]
+
     def entries(
         self,
         token_ids: list[int],

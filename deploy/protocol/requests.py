@@ -2,9 +2,14 @@
 
 The same models parse HTTP bodies (FastAPI) and the dicts handed to the Python handle API, so both give
 the same 400s. Ranges follow OpenAI's where OpenAI states one; vLLM-style extensions (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`) use the offline `SamplingParams` ranges. Unknown
-fields are ignored, as OpenAI-compatible servers commonly do, so newer SDKs keep working; OpenAI fields we
-know but do not implement are declared (protocol_structured.py) and refused when set (a 400).
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`) use the offline `SamplingParams` ranges.
+
+A top-level field the request models do not declare is a 400 naming every such field, as OpenAI's API
+answers ("Unrecognized request argument supplied: max_token"): a misspelt `max_token` must not be dropped
+in silence. The vLLM extensions tandem accepts are declared fields, listed in `VLLM_EXTENSIONS`. OpenAI
+fields we know but do not implement are declared too (structured_fields.py) and refused when set to
+anything but their neutral value. Nested objects (messages, tools, response_format) ignore unknown keys,
+since SDKs send back the assistant messages they received, with keys such as `refusal` or `annotations`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.deploy.protocol.structured_fields import StructuredFields, ToolFields
-from tandem.deploy.protocol.templates import forbidden_template_kwargs
+from tandem.deploy.protocol.templates import forbidden_template_kwargs, non_json_template_value
 from tandem.scheduler.sampling_params import MAX_LOGPROBS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -28,6 +33,34 @@ TokenId = Annotated[int, Field(ge=0, le=_TOKEN_ID_MAX)]
 StopText = Annotated[str, Field(min_length=1)]
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# The bodies themselves: an undeclared top-level field is an error (errors.py names every one).
+_BODY_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+# The vLLM request extensions tandem takes, beyond OpenAI's fields (each a declared field below or in
+# structured_fields.py; docs/serve-config.md lists them). Any other unknown field is a 400.
+VLLM_EXTENSIONS: tuple[str, ...] = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "chat_template_kwargs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "add_generation_prompt",
+    "continue_final_message",
+    "prompt_logprobs",
+    "use_beam_search",
+)
 
 
 class StreamOptions(BaseModel):
@@ -41,7 +74,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(StructuredFields):
     """Fields shared by both endpoints: the model, the sampling knobs and the streaming switches."""
 
-    model_config = _CONFIG
+    model_config = _BODY_CONFIG
 
     model: str | None = Field(
         default=None, description="Served model name; unset addresses the one model this app serves."
@@ -68,6 +101,8 @@ class SamplingFields(StructuredFields):
     stream: bool = Field(default=False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="Options of a streamed response.")
     user: str | None = Field(default=None, description="End-user id; accepted and ignored.")
+    prompt_cache_key: str | None = Field(default=None, description="OpenAI's cache hint; accepted, ignored.")
+    safety_identifier: str | None = Field(default=None, description="End-user id; accepted and ignored.")
 
     @property
     def include_usage(self) -> bool:
@@ -77,23 +112,25 @@ class SamplingFields(StructuredFields):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
+    model_config = _BODY_CONFIG
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="A prompt, a list of prompts, token ids, or a list of token-id lists."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="Most tokens to generate per choice; 0 only with echo (scoring)."
     )
     logprobs: int | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="Return the logprobs of this many top tokens."
     )
-    echo: bool = Field(default=False, description="Not supported: must be false.")
+    echo: bool = Field(
+        default=False,
+        description="Return the prompt before the completion; with logprobs, the prompt tokens' logprobs too "
+        "(the first is null), as lm-eval's loglikelihood tasks read them.",
+    )
     suffix: str | None = Field(default=None, description="Not supported: must be unset.")
 
     # Field validators (not a model validator) so a 400 names the offending field in `param`.
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo=true is not supported")
-        return echo
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, suffix: str | None) -> str | None:
@@ -183,6 +220,8 @@ def _arguments(call: MessageToolCall) -> Any:
 class ChatCompletionRequest(SamplingFields, ToolFields):
     """`POST /v1/chat/completions`."""
 
+    model_config = _BODY_CONFIG
+
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(
         default=None, ge=1, description="Most tokens to generate per choice; wins over max_tokens."
@@ -206,6 +245,10 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
                 raise ValueError(
                     f"chat_template_kwargs may not set {forbidden}: the server picks the template"
                 )
+            key = non_json_template_value(kwargs)
+            if key is not None:
+                raise ValueError(f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, "
+                                 "string, list or object)")
         return kwargs
 
     @field_validator("top_logprobs")

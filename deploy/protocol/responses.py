@@ -6,10 +6,11 @@ either the same way: `start_chunks` (chat's role deltas), `chunk` per delta, `us
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.deploy.protocol.jobs import ChoiceDelta, TokenLogprob
+from tandem.deploy.protocol.reasoning import ReasoningFormat, ReasoningStream, split_reasoning
 from tandem.deploy.protocol.tool_calls import ToolCallStream, ToolMode, call_dicts, new_call_id
 
 
@@ -140,11 +141,21 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, created: int, tools: ToolMode | None = None) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        created: int,
+        tools: ToolMode | None = None,
+        reasoning: ReasoningFormat | None = None,
+    ) -> None:
         super().__init__(response_id, model, created)
         # With tools (other than tool_choice "none") replies are read for calls (tool_calls.py).
         self._tools = tools if tools is not None and tools.choice != "none" else None
         self._tool_streams: dict[int, ToolCallStream] = {}
+        # With a reasoning parser, `<think>...</think>` goes to reasoning_content, the rest on as content.
+        self._reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def start_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         # OpenAI opens each choice with a delta that carries only the role.
@@ -164,11 +175,24 @@ class ChatFormat(_Format):
         ]
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, delta = self._split(self._reasoning, delta)
         if self._tools is not None:
-            return self._tool_chunk(self._tools, delta)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            chunk = self._tool_chunk(self._tools, delta)
+            if reasoning:
+                chunk = chunk or self._envelope(
+                    self.chunk_object_name,
+                    [{"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": None}],
+                )
+                choice = chunk["choices"][0]
+                choice["delta"] = {"reasoning_content": reasoning, **choice["delta"]}
+            return chunk
+        if not delta.text and not reasoning and delta.finish_reason is None and not delta.logprobs:
             return None
-        body: dict[str, Any] = {"content": delta.text} if delta.text or delta.logprobs else {}
+        body: dict[str, Any] = {"reasoning_content": reasoning} if reasoning else {}
+        if delta.text or (delta.logprobs and not reasoning):
+            body["content"] = delta.text
         logprobs = _chat_logprobs(delta.logprobs) if delta.logprobs is not None else None
         choice = {
             "index": delta.index,
@@ -177,6 +201,15 @@ class ChatFormat(_Format):
             "finish_reason": delta.finish_reason,
         }
         return self._envelope(self.chunk_object_name, [choice])
+
+    def _split(self, fmt: ReasoningFormat, delta: ChoiceDelta) -> tuple[str, ChoiceDelta]:
+        """The delta's new reasoning, and the delta with only its new content left as text."""
+        stream = self._reasoning_streams.setdefault(delta.index, ReasoningStream(fmt))
+        reasoning, content = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, replace(delta, text=content)
 
     def _tool_chunk(self, tools: ToolMode, delta: ChoiceDelta) -> dict[str, Any] | None:
         stream = self._tool_streams.setdefault(delta.index, ToolCallStream(tools))
@@ -188,9 +221,15 @@ class ChatFormat(_Format):
 
     def _message(self, c: ChoiceResult) -> tuple[dict[str, Any], str | None]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        text = c.text
+        if self._reasoning is not None:
+            reasoning, content = split_reasoning(self._reasoning, c.text)
+            message["reasoning_content"] = reasoning
+            message["content"] = content
+            text = content or ""
         if self._tools is None:
             return message, c.finish_reason
-        content, calls = self._tools.parse(c.text)
+        content, calls = self._tools.parse(text)
         if not calls:
             return message, c.finish_reason
         message["content"] = content
@@ -215,8 +254,11 @@ class ChatFormat(_Format):
 
 
 def _completion_logprobs(entries: list[TokenLogprob], offsets: list[int]) -> dict[str, Any]:
-    top: list[dict[str, float]] = []
+    top: list[dict[str, float] | None] = []
     for entry in entries:
+        if entry.logprob is None:  # an echoed prompt's first token: nothing scored it
+            top.append(None)
+            continue
         alternatives = dict(entry.top)
         alternatives.setdefault(entry.token, entry.logprob)  # the sampled token is always listed
         top.append(alternatives)

@@ -67,6 +67,13 @@ class StructuredFields(BaseModel):
     store: bool | None = Field(default=None, description="Not supported: must be false or unset.")
     guided_whitespace_pattern: str | None = Field(default=None, description="Not supported.")
     guided_decoding_backend: str | None = Field(default=None, description="Only xgrammar.")
+    metadata: dict[str, Any] | None = Field(default=None, description="Only with store, which is off.")
+    # vLLM's fields, accepted at the value that changes nothing (constraints.py).
+    skip_special_tokens: bool | None = Field(default=None, description="vLLM: only true.")
+    spaces_between_special_tokens: bool | None = Field(default=None, description="vLLM: only true.")
+    include_stop_str_in_output: bool | None = Field(default=None, description="vLLM: only false.")
+    prompt_logprobs: int | None = Field(default=None, description="vLLM: not supported; use echo.")
+    use_beam_search: bool | None = Field(default=None, description="vLLM: only false.")
 
 
 class FunctionDefinition(BaseModel):
@@ -115,3 +122,6 @@ class ToolFields(BaseModel):
     prediction: dict[str, Any] | None = Field(default=None, description="Not supported.")
     web_search_options: dict[str, Any] | None = Field(default=None, description="Not supported.")
     reasoning_effort: str | None = Field(default=None, description="Not supported.")
+    verbosity: str | None = Field(default=None, description="Not supported.")
+    add_generation_prompt: bool | None = Field(default=None, description="vLLM: only true.")
+    continue_final_message: bool | None = Field(default=None, description="vLLM: only false.")

@@ -52,3 +52,28 @@ def load_chat_template(value: str | None) -> str | None:
 
 def forbidden_template_kwargs(kwargs: dict[str, object]) -> list[str]:
     return sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+
+
+def non_json_template_value(kwargs: dict[str, object]) -> str | None:
+    """The first key whose value is not plain JSON data (null, bool, number, string, or lists and
+    string-keyed objects of them), or None. A handle call could hand the template any Python object,
+    whose methods Jinja would then let the template call."""
+    for key, value in kwargs.items():
+        if not _plain_json(value):
+            return key
+    return None
+
+
+_SCALARS = (type(None), bool, int, float, str)  # exact types: no subclass brings methods of its own
+
+
+def _plain_json(value: object, depth: int = 0) -> bool:
+    if depth > 32:
+        return False
+    if type(value) in _SCALARS:
+        return True
+    if type(value) is list and isinstance(value, list):
+        return all(_plain_json(v, depth + 1) for v in value)
+    if type(value) is dict and isinstance(value, dict):
+        return all(type(k) is str and _plain_json(v, depth + 1) for k, v in value.items())
+    return False

@@ -20,6 +20,11 @@ so a stale file of an earlier server on the host is never read.
 
 from __future__ import annotations
 
+import socket
+import sys
+from pathlib import Path
+
+from tandem.deploy.routing import haproxy_filter
 from tandem.deploy.routing.proxy_errors import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 
 INGRESS_MODES = ("proxy", "haproxy")
@@ -36,6 +41,10 @@ _HAPROXY_PATH_ENV = {
 # HAProxy hands the request body to the prefix router's `/internal/route` (routing/route_ingress.py); it
 # only matters for an app with prefix routing on, whose requests it otherwise routes blind.
 ROUTER_BODY_ENV = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# The stats page's and the Prometheus exporter's ports. haproxy_filter.py drops both listeners; should a
+# Ray whose template it does not know keep them, they still take free ports, not Ray's fixed 8404 / 9101.
+_UNUSED_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
 def haproxy_binary() -> str | None:
@@ -74,3 +83,27 @@ def ray_environment(mode: str, state_dir: str | None = None) -> dict[str, str]:
             for key, name in _HAPROXY_PATH_ENV.items():
                 env[key] = f"{state_dir}/{name}" if name else state_dir
     return env
+
+
+def haproxy_wrapper_environment(state_dir: str, host: str) -> dict[str, str]:
+    """Write `state_dir/haproxy`, which rewrites Ray's HAProxy configuration (haproxy_filter.py: no stats
+    page or exporter, every listener on `host`) and then runs the real binary; return the environment
+    that makes Ray run it. Empty when there is no HAProxy binary to wrap."""
+    real = haproxy_binary()
+    if real is None:
+        return {}
+    wrapper = Path(state_dir) / "haproxy"
+    script = f'#!/bin/sh\nexec "{sys.executable}" -S "{haproxy_filter.__file__}" "{real}" "{host}" "$@"\n'
+    wrapper.write_text(script)
+    wrapper.chmod(0o755)
+    env = {HAPROXY_BINARY_ENV: str(wrapper)}
+    for key in _UNUSED_PORT_ENV:
+        env[key] = str(free_port(host))
+    return env
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host if host not in ("0.0.0.0", "::") else "", 0))
+        return int(sock.getsockname()[1])

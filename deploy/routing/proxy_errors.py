@@ -28,6 +28,10 @@ _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 # While no replica runs (one died and Serve is replacing it), the proxy holds requests until a new one
 # serves. A health probe must not hang that long: past this, /health answers 503 itself.
 HEALTH_DEADLINE_S = 5.0
+# Until a replica has answered through this proxy (the app is deploying, the model loading), /health
+# answers at once that it is loading: a probe learns within a second of the port being bound.
+LOADING_DEADLINE_S = 0.5
+LOADING_MESSAGE = "loading: the model server is starting (no replica is ready yet)"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -40,9 +44,15 @@ def _failure(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable")
 
 
+def loading_error() -> OpenAIError:
+    return OpenAIError(503, LOADING_MESSAGE, type="server_error", code="loading", retry_after_s=1)
+
+
 class ShapedProxyErrors:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self.replica_answered = False  # this proxy has relayed a replica's /health answer
+        self._probe: asyncio.Future[None] | None = None  # a loading-time probe left running
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not str(scope.get("path", "")).endswith(_ROUTES):
@@ -51,21 +61,34 @@ class ShapedProxyErrors:
         started = finished = streaming = False
         held: list[Message] = []  # a plain-text 5xx of the proxy's own, replaced by the shaped one
         plain_text_error = False
+        health = str(scope["path"]).endswith("/health")
 
         async def relay(message: Message) -> None:
             nonlocal started, finished, streaming, plain_text_error
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers") or [])
                 content_type = headers.get(b"content-type", b"")
-                if message["status"] >= 500 and not content_type.startswith(b"application/json"):
+                json_body = content_type.startswith(b"application/json")
+                if message["status"] >= 500 and not json_body:
                     plain_text_error = True
                     held.append(message)
                     return
+                if health and message["status"] == 404 and not json_body:
+                    # The proxy knows no route yet: the app is still being deployed.
+                    await _send_json(send, loading_error())
+                    finished = started = True
+                    plain_text_error = True  # swallow the proxy's own body
+                    held.append(message)
+                    return
+                if health and json_body:
+                    self.replica_answered = True
                 started = True
                 streaming = content_type.startswith(b"text/event-stream")
             elif message["type"] == "http.response.body":
                 if plain_text_error:
                     held.append(message)
+                    if finished:
+                        return
                     if not message.get("more_body", False):
                         text = b"".join(m.get("body", b"") for m in held[1:]).decode("utf-8", "replace")
                         await _send_json(send, _failure(f"no model server could take the request: {text}"))
@@ -75,7 +98,7 @@ class ShapedProxyErrors:
             await send(message)
 
         try:
-            if str(scope["path"]).endswith("/health"):
+            if health:
                 started = await self._health_within_deadline(scope, receive, relay, send)
             else:
                 await self.app(scope, receive, relay)  # no task per request on the generation routes
@@ -90,19 +113,45 @@ class ShapedProxyErrors:
                     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _health_within_deadline(self, scope: Scope, receive: Receive, relay: Send, send: Send) -> bool:
-        """Run a /health request; True if it answered, or was answered here with a 503 at the deadline."""
+        """Run a /health request; True if it answered, or was answered here with a 503 at the deadline.
+
+        While no replica has answered yet (the model is loading), a probe that misses its deadline is left
+        to run rather than cancelled: Serve's proxy logs a traceback for each request cancelled while it
+        waits for a replica, and a probe every second would fill the log. Its answer, once a replica is
+        up, is dropped, and while it is pending later probes are answered at once without another."""
+        loading = not self.replica_answered
+        if loading and self._probe is not None and not self._probe.done():
+            await _send_json(send, loading_error())
+            return True
         answered = asyncio.Event()
+        abandoned = False
 
         async def watch(message: Message) -> None:
+            if abandoned:
+                if message["type"] == "http.response.start":
+                    headers = dict(message.get("headers") or [])
+                    self.replica_answered |= headers.get(b"content-type", b"").startswith(b"application/json")
+                return
             answered.set()
             await relay(message)
 
-        call = asyncio.ensure_future(self.app(scope, receive, watch))
+        async def hold_after_abandon() -> Message:
+            if abandoned:
+                await asyncio.Event().wait()  # never: the client's connection is not the probe's now
+            return await receive()
+
+        call: asyncio.Future[None] | None = asyncio.ensure_future(self.app(scope, hold_after_abandon, watch))
         try:
-            await asyncio.wait([call], timeout=HEALTH_DEADLINE_S)
+            assert call is not None
+            await asyncio.wait([call], timeout=LOADING_DEADLINE_S if loading else HEALTH_DEADLINE_S)
             if call.done() or answered.is_set():
                 await call
                 return answered.is_set()
+            if loading:
+                abandoned = True
+                self._probe, call = call, None
+                await _send_json(send, loading_error())
+                return True
             call.cancel()  # the proxy takes it as a client that left
             with contextlib.suppress(BaseException):
                 await call
@@ -110,7 +159,7 @@ class ShapedProxyErrors:
             await _send_json(send, OpenAIError(503, message, type="server_error", code="unhealthy"))
             return True
         finally:
-            if not call.done():
+            if call is not None and not call.done():
                 call.cancel()
 
 
@@ -120,5 +169,7 @@ async def _send_json(send: Send, error: OpenAIError) -> None:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
+    if error.retry_after_s is not None:
+        headers.append((b"retry-after", str(error.retry_after_s).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -8,7 +8,7 @@ with an `{"error": ...}` body, so the handlers below replace FastAPI's.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -24,7 +24,8 @@ from starlette.types import Receive, Scope, Send
 from tandem.deploy.guards.auth import ApiKeyMiddleware, ApiKeys
 from tandem.deploy.guards.body_limit import BodyLimitMiddleware
 from tandem.deploy.guards.shutdown import DrainGate, GateState
-from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error
+from tandem.deploy.observability.exposition import CONTENT_TYPE, node_tandem_metrics
+from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error, unavailable
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.serving.openai_service import ChunkBatches, OpenAIService
@@ -51,7 +52,8 @@ _encoder = msgspec.json.Encoder()
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def sse_events(batches: ChunkBatches) -> AsyncGenerator[bytes, None]:
@@ -93,6 +95,7 @@ def build_http_app(
     api_keys: ApiKeys | None = None,
     max_body_bytes: int | None = None,
     gate: GateState | None = None,
+    metrics: Callable[[], Awaitable[str]] = node_tandem_metrics,
 ) -> FastAPI:
     app = FastAPI(
         title="tandem",
@@ -152,6 +155,16 @@ def build_http_app(
     async def unload_lora_adapter(request: UnloadLoraAdapterRequest) -> PlainTextResponse:
         """Stop serving a LoRA adapter (404 if it is not served); requests running with it finish."""
         return PlainTextResponse(await service.unload_lora_adapter(request))
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        """tandem's Prometheus series (`ray_tandem_*`), as Ray's metrics export port serves them for
+        this node (docs/metrics.md)."""
+        try:
+            return PlainTextResponse(await metrics(), media_type=CONTENT_TYPE)
+        except OSError as exc:
+            logger.warning("could not read the node's metrics: %s", exc)
+            return error_response(unavailable("the metrics exporter of this node cannot be read"))
 
     @app.get("/health", responses={200: {"description": "Every rank is up."}, 503: {"description": "Not."}})
     async def health() -> Response:

@@ -39,6 +39,7 @@ from tandem.deploy.protocol.errors import (
 from tandem.deploy.protocol.job_builder import chat_job, completion_job
 from tandem.deploy.protocol.jobs import ChoiceDelta, GenerateJob, JobRejected
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from tandem.deploy.protocol.reasoning import reasoning_format
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from tandem.deploy.protocol.responses import (
     CachedTokens,
@@ -85,10 +86,12 @@ class OpenAIService:
         limits: RequestLimits | None = None,
         adapters: AdapterRegistry | None = None,
         announce: Announce | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self._backend = backend
         self._adapters = adapters
         self._announce = announce
+        self._reasoning = reasoning_format(reasoning_parser)
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
@@ -111,8 +114,14 @@ class OpenAIService:
             lora = await self._adapter(request)
             job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
             job = dataclasses.replace(job, lora=lora) if lora is not None else job
+            if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
+                job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
             fmt = ChatFormat(
-                job.request_id, self._model_named(request), int(time.time()), tools=job.tool_mode
+                job.request_id,
+                self._model_named(request),
+                int(time.time()),
+                tools=job.tool_mode,
+                reasoning=self._reasoning,
             )
             return await self._tracked(await self._run(request, job, fmt))
         except BaseException as exc:

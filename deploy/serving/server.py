@@ -88,6 +88,7 @@ class LLMServer:
         stuck_rank_timeout_s: float | None = None,
         lora_modules: dict[str, str] | None = None,
         lora_dynamic_path: str | None = None,
+        reasoning_parser: str | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
@@ -134,6 +135,7 @@ class LLMServer:
             limits=limits,
             adapters=self._adapters,
             announce=backend.announce,
+            reasoning_parser=reasoning_parser,
         )
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes

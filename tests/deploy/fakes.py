@@ -29,12 +29,17 @@ MODEL = "fake"
 
 
 class FakeText:
-    """Stands in for the detokenizer: token `i` reads `t<i> `."""
+    """Stands in for the detokenizer: token `i` reads `t<i> `, or with a `script`, step k reads script[k]."""
 
     stopped = False
     text = ""
 
+    def __init__(self, script: list[str] | None = None) -> None:
+        self._script = list(script or [])
+
     def add(self, token_id: int) -> str:
+        if self._script:
+            return self._script.pop(0)
         return f"t{token_id} "
 
     def flush(self) -> str:
@@ -52,8 +57,12 @@ class FakeReplica:
     A step is a short sleep, as an engine step is: a producer that set the job's event on every loop
     turn would keep anyio's cancellation of a disconnected response from ever finding it waiting."""
 
-    def __init__(self, *, max_model_len: int = 64, failure: str | None = None) -> None:
+    def __init__(
+        self, *, max_model_len: int = 64, failure: str | None = None, script: list[str] | None = None
+    ) -> None:
         self.max_model_len = max_model_len
+        self.script = script  # the text of each step, the same for every request (FakeText)
+        self.samplings: list[SamplingParams] = []
         self.tokenizer = load_tiny_tokenizer()
         self.failure = failure
         self.active: set[str] = set()
@@ -87,7 +96,8 @@ class FakeReplica:
         rid = len(self.prompts)
         self.prompts.append(prompt_token_ids)
         self.loras.append(lora)
-        detok: Any = FakeText()  # not an IncrementalDetokenizer: only what RequestStream calls
+        self.samplings.append(sampling)
+        detok: Any = FakeText(self.script)  # not an IncrementalDetokenizer: only what RequestStream calls
         stream = RequestStream(request_id or "r", rid, len(prompt_token_ids), sampling, detok, listener)
         self.active.add(stream.request_id)
         self._tasks[rid] = asyncio.create_task(self._produce(stream, prompt_token_ids, sampling))
@@ -102,6 +112,7 @@ class FakeReplica:
             token = (sum(prompt) + step + (sampling.seed or 0)) % 200 + 3
             last = step == sampling.max_tokens - 1
             top = [(token, -0.5), (token + 1, -1.5), (token + 2, -2.5)][: sampling.logprobs or 0]
+            scored = step == 0 and sampling.prompt_logprobs is not None
             stream.merge(
                 TokenOutput(
                     stream.rid,
@@ -110,6 +121,14 @@ class FakeReplica:
                     -0.5 if sampling.logprobs is not None else None,
                     top if sampling.logprobs is not None else None,
                     cached_tokens=len(prompt) // 2 if step == 0 else None,
+                    # Prompt token k scores -k/10, its alternatives t<k+100> at -0.01 and after.
+                    prompt_logprobs=[-k / 10 for k in range(1, len(prompt))] if scored else None,
+                    prompt_top_logprobs=[
+                        [(k + 100 + j, -0.01 * (j + 1)) for j in range(sampling.prompt_logprobs or 0)]
+                        for k in range(1, len(prompt))
+                    ]
+                    if scored and sampling.prompt_logprobs
+                    else None,
                 )
             )
 
@@ -163,9 +182,16 @@ def make_service(
     *,
     limits: RequestLimits | None = None,
     outcomes: Any = None,
+    reasoning_parser: str | None = None,
     **backend: Any,
 ) -> tuple[OpenAIService, FakeReplica]:
     """A service for model `fake` over one fake replica; `backend` goes to `InProcessBackend`."""
     replica = replica or FakeReplica()
-    service = OpenAIService(InProcessBackend(replica, **backend), MODEL, outcomes=outcomes, limits=limits)
+    service = OpenAIService(
+        InProcessBackend(replica, **backend),
+        MODEL,
+        outcomes=outcomes,
+        limits=limits,
+        reasoning_parser=reasoning_parser,
+    )
     return service, replica

@@ -10,15 +10,20 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
+import psutil
 import pytest
 
 from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
 from tandem.deploy.cli.processes import port_holder
+from tandem.deploy.routing.ingress_mode import haproxy_binary
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -58,7 +63,7 @@ def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line)
-            if "serving" in line:
+            if "Python handle:" in line:  # the last line printed once it serves
                 ready.set()
 
     threading.Thread(target=read_stdout, daemon=True).start()
@@ -66,6 +71,8 @@ def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]
         assert ready.wait(STARTUP_TIMEOUT_S), f"no URL printed; stderr:\n{stderr_path.read_text()[-3000:]}"
         match = re.search(r"(http://\S+/v1)", "".join(lines))
         assert match is not None, lines
+        hint = next((line for line in lines if "Python handle:" in line), "")
+        os.environ["TANDEM_E2E_LAST_HANDLE_ENV"] = " ".join(re.findall(r"RAY_[A-Z_]+=\S+", hint))
         yield match.group(1), stderr_path
     finally:
         process.send_signal(signal.SIGINT)
@@ -85,7 +92,10 @@ def test_tandem_serve_without_arguments_answers_a_chat_request(tmp_path: Path) -
         )
         assert reply.choices[0].message.role == "assistant"
         assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
-        assert "loading 'tandem-tiny'" in stderr_path.read_text()  # progress while the model loads
+        log = stderr_path.read_text()
+        assert "loading 'tandem-tiny'" in log  # progress while the model loads
+        # Quiet by default (--log-level warning): Ray's, Serve's and HAProxy's INFO lines are not shown.
+        assert not [line for line in log.splitlines() if " INFO " in line], log[-3000:]
 
 
 def _haproxy_pids() -> set[int]:
@@ -140,3 +150,83 @@ def test_a_taken_port_is_refused_at_once(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}" in done.stderr and f"pid {os.getpid()}" in done.stderr
     assert "started a local Ray" not in done.stderr  # said before Ray starts
+
+
+class HealthProbe(threading.Thread):
+    """Polls /health from before the port is bound until it answers 200: (seconds, status, code) of
+    every answer, connection refusals left out."""
+
+    def __init__(self, port: int, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        super().__init__(daemon=True)
+        self.url = f"http://127.0.0.1:{port}/health"
+        self.answers: list[tuple[float, int, str | None]] = []
+        self.deadline = time.monotonic() + timeout_s
+
+    def run(self) -> None:
+        while time.monotonic() < self.deadline:
+            started = time.monotonic()
+            try:
+                response = httpx.get(self.url, timeout=5.0)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
+            self.answers.append((time.monotonic() - started, response.status_code, code))
+            if response.status_code == 200:
+                return
+            time.sleep(0.2)
+
+
+def _readme_handle_script() -> str:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (script,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "get_app_handle" in b]
+    return script
+
+
+def _listeners_of_the_server_on(port: int) -> set[tuple[str, int]]:
+    """Every listening socket of the process that listens on `port` (the server's HAProxy)."""
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    (pid,) = {c.pid for c in listening if c.laddr.port == port}
+    assert psutil.Process(pid).name() == "haproxy"
+    return {(c.laddr.ip, c.laddr.port) for c in listening if c.pid == pid}
+
+
+def test_two_servers_side_by_side_answer_health_while_loading_and_the_readme_handle(tmp_path: Path) -> None:
+    """The default ingress (HAProxy where found): /health answers within a second from the moment the
+    port is bound, 503 `loading` then 200; the README's handle example runs as a script beside the
+    server; /metrics is on the API port; a second server starts beside the first, and HAProxy listens on
+    nothing but the two servers' host and ports."""
+    if haproxy_binary() is None:
+        pytest.skip("no HAProxy binary: the proxy ingress has no fixed ports to collide on")
+    port_a, port_b = _free_port(), _free_port()
+    probe = HealthProbe(port_a)
+    probe.start()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with tandem_serve(["--port", str(port_a)], tmp_path / "a") as (url_a, stderr_a):
+        probe.join(timeout=60)
+        answers = probe.answers
+        assert answers and answers[-1][1] == 200, answers
+        assert [a for a in answers if a[1] == 503 and a[2] == "loading"], answers  # it said so while loading
+        assert all(status == 200 or code == "loading" for _, status, code in answers), answers
+        assert max(seconds for seconds, _, _ in answers) < 1.0, answers
+        assert "(from the command's start)" in stderr_a.read_text()
+        script = tmp_path / "handle.py"
+        script.write_text(_readme_handle_script())
+        # The server's own Ray (other helpers' clusters may run on a shared test host), as its hint says.
+        env = dict(os.environ)
+        env.update(pair.split("=", 1) for pair in os.environ["TANDEM_E2E_LAST_HANDLE_ENV"].split())
+        assert "RAY_ADDRESS" in env
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180
+        )
+        assert done.returncode == 0 and "'object': 'chat.completion'" in done.stdout, done.stderr[-3000:]
+        metrics = httpx.get(f"http://127.0.0.1:{port_a}/metrics", timeout=30)
+        assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+        with tandem_serve(["--port", str(port_b)], tmp_path / "b") as (url_b, _):
+            for url in (url_a, url_b):
+                client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
+                reply = client.completions.create(model="tandem-tiny", prompt="The fox", max_tokens=4)
+                assert reply.choices[0].finish_reason in ("stop", "length")
+            for port in (port_a, port_b):  # no stats page or exporter, nothing beyond the chosen host
+                assert _listeners_of_the_server_on(port) == {("127.0.0.1", port)}

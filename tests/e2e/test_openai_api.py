@@ -241,6 +241,13 @@ def test_metrics_are_exported(client: openai.OpenAI, app: Any) -> None:
         if missing:
             time.sleep(1.0)
     assert not missing, f"not exported: {sorted(missing)}"
+    # The same series on the API port, as vLLM and SGLang serve theirs.
+    api = httpx.get(f"{app.base_url}/metrics", timeout=30)
+    assert api.status_code == 200 and api.headers["content-type"].startswith("text/plain")
+    on_api = {name for name in wanted if f"\n{name}" in "\n" + api.text or f"# TYPE {name} " in api.text}
+    assert on_api == wanted, sorted(wanted - on_api)
+    assert all(line.startswith(("ray_tandem_", "# HELP ray_tandem_", "# TYPE ray_tandem_"))
+               for line in api.text.splitlines())  # fmt: skip
 
 
 def _dashboard_series() -> set[str]:
@@ -279,3 +286,28 @@ def test_cached_tokens_are_the_page_rounded_prefix_on_one_replica(client: openai
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]  # type: ignore[union-attr]
     chat_length = replies[0].usage.prompt_tokens  # type: ignore[union-attr]
     assert cached == [0, (chat_length - 1) // 4 * 4]
+
+
+def test_echo_logprobs_for_lm_eval_equal_hf(app: Any, tiny_model_dir, tokenizer: Any) -> None:  # type: ignore[no-untyped-def]
+    """lm-eval's loglikelihood request (token-id prompts, max_tokens 1, logprobs 1, echo) on the real
+    engine: the prompt's logprobs are HF's log-softmax on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("Foxes are small")]
+    body = {"model": app.served_model_name, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    response = httpx.post(f"{app.base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3"), attn_implementation="eager").eval()
+    for choice in response.json()["choices"]:
+        prompt = prompts[choice["index"]]
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(prompt) + 1
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].float()
+        want = logits.log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+        assert got[1 : len(prompt)] == pytest.approx(want.tolist(), abs=1e-4)
+        greedy = logits.argmax(-1)[:-1].tolist() == prompt[1:]
+        tops = choice["logprobs"]["top_logprobs"][1 : len(prompt)]
+        assert all(lp == max(top.values()) for lp, top in zip(got[1:], tops)) == greedy

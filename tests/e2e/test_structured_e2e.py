@@ -237,3 +237,32 @@ def test_rejected_schema_and_unsupported_field_are_400s(app: Any, client: openai
         "modalities",
         "unsupported_parameter",
     )
+
+
+def test_sdk_parse_of_a_pydantic_model_with_bounded_strings(app: Any) -> None:
+    """The SDK's parse(): it sends the model's strict schema (bounded strings among its fields) and
+    parses the reply back into the model, which fails on any JSON a strict parser refuses."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        code: str = Field(min_length=2, max_length=4)
+        visited: bool
+
+    async def one(seed: int) -> tuple[str | None, Any]:
+        async with aclient(app) as client:
+            reply = await client.chat.completions.parse(
+                model=app.served_model_name, messages=CHAT, response_format=City, temperature=1.0,
+                seed=seed, max_tokens=120,
+            )  # fmt: skip
+        choice = reply.choices[0]
+        return choice.finish_reason, choice.message.parsed
+
+    async def all_of() -> list[tuple[str | None, Any]]:
+        return list(await asyncio.gather(*(one(seed) for seed in range(8))))
+
+    results = asyncio.run(all_of())
+    parsed = [value for reason, value in results if reason == "stop"]
+    assert len(parsed) >= 6, results
+    for value in parsed:
+        assert isinstance(value, City) and len(value.name) <= 12 and 2 <= len(value.code) <= 4

@@ -317,3 +317,24 @@ def test_batched_accepts_record_what_each_matcher_says_alone(tiny_model_dir: Any
     # Refused: still at the start, where "c" is allowed.
     assert states[1].accept(c) and not states[1].terminated
     accept_tokens([], [])  # nothing to accept: no call into xgrammar
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_constraint_starts_after_its_token(tiny_model_dir: Any, overlap: bool) -> None:
+    """`after_token` (a reasoning model's `</think>`, under `--reasoning-parser`): the output is free until
+    that token, then follows the schema. A bias forces the token first, where the schema forbids it."""
+    llm = _llm(tiny_model_dir, overlap)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (end,) = llm.tokenizer.encode("Q", add_special_tokens=False)
+    for seed in range(3):
+        constraint = StructuredOutputs(json=schema, after_token=end)
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=seed, logit_bias={end: 100.0},
+                                structured_outputs=constraint)  # fmt: skip
+        (out,) = llm.generate(["think first"], params, use_tqdm=False)
+        assert out.token_ids[0] == end and out.finish_reason == "stop"
+        after = llm.tokenizer.decode(out.token_ids[1:], skip_special_tokens=True)
+        jsonschema.validate(json.loads(after), schema)
+        plain = replace(params, structured_outputs=StructuredOutputs(json=schema))
+        (constrained,) = llm.generate(["think first"], plain, use_tqdm=False)
+        assert end not in constrained.token_ids  # from the first token: the schema never allows it
+        jsonschema.validate(json.loads(constrained.text), schema)

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
-from tandem.deploy.cli.main import build_parser, main
-from tandem.deploy.cli.serve_command import plan_from_cli, wait_until_running
+from tandem.deploy.cli.main import build_parser, main, tandem_version
+from tandem.deploy.cli.serve_command import command_started_at, plan_from_cli, wait_until_running
 from tandem.deploy.config.args import TINY_MODEL_NAME
 
 
@@ -27,6 +27,18 @@ def test_no_arguments_serves_the_tiny_model_on_cpu_port_8000() -> None:
     plan = plan_from_cli(args)
     assert plan.app_args.model is None and plan.app_args.resolved_served_model_name() == TINY_MODEL_NAME
     assert (plan.host, plan.port, plan.name, plan.route_prefix) == ("127.0.0.1", DEFAULT_PORT, "tandem", "/")
+
+
+def test_version_and_log_level(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tandem {tandem_version()}"
+    assert tandem_version() != "unknown"
+    assert _serve().log_level == "warning"  # quiet by default: Ray's and Serve's INFO lines hidden
+    assert _serve("--log-level", "debug").log_level == "debug"
+    with pytest.raises(SystemExit):
+        _serve("--log-level", "loud")
 
 
 def test_flags() -> None:
@@ -97,10 +109,14 @@ def test_progress_is_printed_until_running(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"app": states.pop(0)}))
     monkeypatch.setattr("time.sleep", lambda s: None)
     out = io.StringIO()
-    assert wait_until_running("app", "tiny", out)
+    import time
+
+    assert wait_until_running("app", "tiny", out, since=time.time() - 7.2)
     text = out.getvalue()
     assert "loading 'tiny': submitting" in text and "LLMServer updating (1 starting)" in text
-    assert "'tiny' is ready" in text
+    # Counted from the command's start (here 7 s before), not from when the deploy began.
+    assert "'tiny' is ready after 7s (from the command's start)" in text
+    assert command_started_at() <= time.time()
     failed = SimpleNamespace(status="DEPLOY_FAILED", message="out of GPUs", deployments={})
     monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"app": failed}))
     out = io.StringIO()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -100,7 +101,9 @@ def test_a_cancelled_waiter_lets_the_next_one_in() -> None:
     asyncio.run(scenario())
 
 
-async def _call(app: Any, path: str) -> tuple[list[dict[str, Any]], bytes]:
+async def _call(
+    app: Any, path: str, middleware: ShapedProxyErrors | None = None
+) -> tuple[list[dict[str, Any]], bytes]:
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -110,7 +113,7 @@ async def _call(app: Any, path: str) -> tuple[list[dict[str, Any]], bytes]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await ShapedProxyErrors(app)({"type": "http", "path": path}, receive, send)
+    await (middleware or ShapedProxyErrors(app))({"type": "http", "path": path}, receive, send)
     return sent, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
@@ -153,9 +156,69 @@ def test_other_routes_pass_through_untouched() -> None:
 
 def test_health_answers_503_when_no_replica_answers_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(proxy_errors, "HEALTH_DEADLINE_S", 0.05)
+    replica_up = True
 
-    async def held(scope: Any, receive: Any, send: Any) -> None:
-        await asyncio.sleep(3600)  # the proxy waiting for a replacement replica
+    async def replica(scope: Any, receive: Any, send: Any) -> None:
+        if not replica_up:
+            await asyncio.sleep(3600)  # the proxy waiting for a replacement replica
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b'{"status": "ok"}', "more_body": False})
 
-    sent, body = asyncio.run(_call(held, "/health"))
+    middleware = ShapedProxyErrors(replica)
+    sent, _ = asyncio.run(_call(replica, "/health", middleware))
+    assert sent[0]["status"] == 200
+    replica_up = False  # it died; once one answered, the proxy waits HEALTH_DEADLINE_S for another
+    sent, body = asyncio.run(_call(replica, "/health", middleware))
     assert sent[0]["status"] == 503 and json.loads(body)["error"]["code"] == "unhealthy"
+
+
+def test_health_says_loading_within_a_second_while_the_app_deploys() -> None:
+    async def no_route(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/plain")]
+        await send({"type": "http.response.start", "status": 404, "headers": headers})
+        await send({"type": "http.response.body", "body": b"Path '/health' not found.", "more_body": False})
+
+    async def loading(scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(3600)  # the replica's constructor is loading the model
+
+    for app in (no_route, loading):
+        started = time.monotonic()
+        sent, body = asyncio.run(_call(app, "/health"))
+        assert time.monotonic() - started < 1.0
+        assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+        error = json.loads(body)["error"]
+        assert error["code"] == "loading" and error["message"].startswith("loading: ")
+        assert len([m for m in sent if m["type"] == "http.response.start"]) == 1
+
+
+def test_loading_probes_are_left_running_not_cancelled() -> None:
+    """Serve's proxy logs a traceback for each request cancelled while it waits for a replica: a probe
+    that misses the loading deadline runs on instead, and later probes are answered without another."""
+    calls: list[str] = []
+    up = asyncio.Event()
+
+    async def replica(scope: Any, receive: Any, send: Any) -> None:
+        calls.append("called")
+        try:
+            await up.wait()
+        except asyncio.CancelledError:
+            calls.append("cancelled")
+            raise
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b'{"status": "ok"}', "more_body": False})
+
+    async def scenario() -> None:
+        middleware = ShapedProxyErrors(replica)
+        for _ in range(3):
+            sent, _ = await _call(replica, "/health", middleware)
+            assert sent[0]["status"] == 503
+        assert calls == ["called"]  # one probe waits for the replica; none was cancelled
+        up.set()
+        await asyncio.sleep(0.01)
+        assert middleware.replica_answered  # its answer (dropped) told the proxy a replica is up
+        sent, _ = await _call(replica, "/health", middleware)
+        assert sent[0]["status"] == 200 and calls == ["called", "called"]
+
+    asyncio.run(scenario())

@@ -9,9 +9,15 @@ from pydantic import ValidationError
 
 from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, model_not_found
 from tandem.deploy.protocol.job_builder import chat_job, choice_sampling, completion_job, sampling_params
-from tandem.deploy.protocol.requests import INT64_MAX, ChatCompletionRequest, CompletionRequest
+from tandem.deploy.protocol.requests import (
+    INT64_MAX,
+    VLLM_EXTENSIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 CHAT = [{"role": "user", "content": "hi"}]
+CHAT_ONLY = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 
 
 def _error(
@@ -37,7 +43,7 @@ def _error(
         ({"prompt": "x", "min_p": 1.5}, "min_p"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "n": 129}, "n"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -46,7 +52,6 @@ def _error(
         ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"prompt": [1, -1]}, "prompt.1"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({}, "prompt"),
     ],
@@ -87,13 +92,46 @@ def test_json_errors_and_other_fields_are_reported() -> None:
     assert "also invalid" in two_fields["message"]
 
 
-def test_unknown_fields_are_ignored_and_prompts_normalised() -> None:
-    assert CompletionRequest.model_validate({"prompt": "x", "logit_bias": {}, "whatever": 1}).prompts() == [
-        "x"
-    ]
+def test_prompts_are_normalised() -> None:
+    assert CompletionRequest.model_validate({"prompt": "x", "logit_bias": {}}).prompts() == ["x"]
     assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
+def test_unknown_fields_are_a_400_naming_every_one(
+    cls: type[CompletionRequest] | type[ChatCompletionRequest],
+) -> None:
+    base: dict[str, Any] = {"prompt": "x"} if cls is CompletionRequest else {"messages": CHAT}
+    error = _error(cls, {**base, "max_token": 5, "temprature": 0, "temperature": 0.5})
+    assert error["message"] == "Unrecognized request arguments supplied: max_token, temprature"
+    assert (error["param"], error["code"]) == ("max_token", "unknown_parameter")
+    one = _error(cls, {**base, "max_token": 5})
+    assert one["message"] == "Unrecognized request argument supplied: max_token"
+    # Unknown keys inside messages are what SDKs send back from earlier replies: not an error.
+    if cls is ChatCompletionRequest:
+        cls.model_validate({"messages": [{"role": "assistant", "content": "x", "refusal": None}]})
+
+
+def test_every_listed_vllm_extension_is_accepted() -> None:
+    neutral = {
+        "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "stop_token_ids": [], "ignore_eos": False,
+        "min_tokens": 0, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+        "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": "xgrammar",
+        "guided_whitespace_pattern": None, "chat_template_kwargs": {}, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+        "add_generation_prompt": True, "continue_final_message": False, "prompt_logprobs": None,
+        "use_beam_search": False,
+    }  # fmt: skip
+    assert set(neutral) == set(VLLM_EXTENSIONS)
+    chat = ChatCompletionRequest.model_validate({"messages": CHAT, **neutral})
+    chat_job(chat, "chatcmpl-1", 0.0)  # and none of them is refused further on
+    completion_only = {k: v for k, v in neutral.items() if k not in CHAT_ONLY}
+    completion_job(CompletionRequest.model_validate({"prompt": "x", **completion_only}), "cmpl-1", 0.0)
+    with pytest.raises(OpenAIError) as refused:
+        completion_job(CompletionRequest(prompt="x", skip_special_tokens=False), "cmpl-1", 0.0)
+    assert refused.value.param == "skip_special_tokens" and refused.value.code == "unsupported_parameter"
 
 
 def test_sampling_mapping() -> None:
@@ -152,3 +190,17 @@ def test_model_not_found_shape() -> None:
     error = model_not_found("gpt-9", "tiny")
     assert error.status == 404
     assert error.body()["error"]["code"] == "model_not_found" and error.param == "model"
+
+
+def test_template_kwargs_are_plain_json_values() -> None:
+    ok = {"enable_thinking": False, "n": [1, 2.5, "x", None, {"k": True}]}
+    assert ChatCompletionRequest(messages=CHAT, chat_template_kwargs=ok).chat_template_kwargs == ok
+
+    class Sneaky(str):
+        def __html__(self) -> str:
+            return "<script>"
+
+    # A handle call passes Python objects as they are: only JSON data may reach the template.
+    for bad in ({"x": object()}, {"x": Sneaky("a")}, {"x": {1: "int key"}}, {"x": (1, 2)}):
+        error = _error(ChatCompletionRequest, {"messages": CHAT, "chat_template_kwargs": bad})
+        assert error["param"] == "chat_template_kwargs" and "plain JSON" in error["message"]

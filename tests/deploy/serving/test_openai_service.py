@@ -124,6 +124,15 @@ def test_unknown_model_and_backpressure(make_service: MakeService) -> None:
         run(busy.completions(CompletionRequest(prompt="x", stream=True)))
     assert info.value.status == 503
 
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_http_app(busy))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"prompt": "x"})
+
+    response = run(post())
+    assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
+    assert response.headers["retry-after"] == "1"  # what the OpenAI SDK waits before its retry
+
 
 def test_replica_failure_is_503_or_a_final_error_chunk(make_service: MakeService) -> None:
     service, _ = make_service(FakeReplica(failure="rank 1 died"))
@@ -190,6 +199,9 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
                 "bad_json": await client.post("/v1/completions", content=b"{", headers=json_header),
                 "invalid": await client.post("/v1/completions", json={"prompt": "x", "top_p": 2}),
                 "unknown": await client.post("/v1/chat/completions", json=chat),
+                "misspelt": await client.post(
+                    "/v1/chat/completions", json={**chat, "model": MODEL, "max_token": 5, "temprature": 0}
+                ),
                 "no_route": await client.get("/v2/nothing"),
                 "health": await client.get("/health"),
                 "sse": await client.post(
@@ -203,6 +215,7 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
         ("bad_json", 400),
         ("invalid", 400),
         ("unknown", 404),
+        ("misspelt", 400),
         ("no_route", 404),
         ("health", 503),
     ]:
@@ -210,6 +223,8 @@ def test_http_routes_errors_and_sse(make_service: MakeService) -> None:
         assert response.status_code == status, (name, response.text)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert responses["invalid"].json()["error"]["param"] == "top_p"
+    misspelt = responses["misspelt"].json()["error"]
+    assert misspelt["message"] == "Unrecognized request arguments supplied: max_token, temprature"
     sse = responses["sse"]
     assert sse.headers["x-accel-buffering"] == "no" and sse.headers["content-type"].startswith(
         "text/event-stream"
