@@ -14,8 +14,8 @@ with 8 random rank-16 adapters on all seven projections.
 Every figure is measured in the same process, the baseline first. Writes benchmarks/results/lora-h200.json
 (`--out`) with the device, the commit and the configuration.
 
-    python benchmarks/lora.py                       # H200: about 5 minutes, most of it writing and
-                                                    # loading the 16 GB model (cached in --model-dir)
+    python benchmarks/lora.py                       # H200: dummy weights drawn on the device (no
+                                                    # checkpoint); --load-format auto writes and loads one
     python benchmarks/lora.py --preset cpu-tiny --out /tmp/lora-cpu.json   # the same path on CPU, small
 """
 
@@ -123,7 +123,28 @@ def decode_ms(llm: LLM, steps: int, slot: int | None) -> float:
 
 
 def engine_options(args: argparse.Namespace, num_pages: int) -> dict[str, Any]:
-    return {"device": args.device, "page_size": 16, "num_pages": num_pages, "max_running": 256}
+    return {
+        "device": args.device,
+        "page_size": 16,
+        "num_pages": num_pages,
+        "max_running": 256,
+        "load_format": args.load_format,
+    }
+
+
+def write_config_only(path: Path, family: str, shape: dict[str, Any]) -> Path:
+    """config.json and the tiny tokenizer: what `load_format="dummy"` and the adapters' shapes need."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.engine.tiny import load_tiny_tokenizer, tiny_config
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, **shape)
+    with torch.device("meta"):
+        config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
+    config.save_pretrained(path)
+    load_tiny_tokenizer().save_pretrained(path)
+    return path
 
 
 def main() -> None:
@@ -136,6 +157,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS / "lora-h200.json")
+    parser.add_argument(
+        "--load-format",
+        choices=["dummy", "auto"],
+        default="dummy",
+        help="dummy (default): random weights drawn on the device; auto: random weights written to a "
+        "checkpoint first and loaded from it",
+    )
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     args.device = preset["device"]
@@ -147,7 +175,10 @@ def main() -> None:
     if args.layers is not None and args.model_dir is None:
         model_dir = model_dir.with_name(f"{model_dir.name}-{args.layers}l")
     start = time.perf_counter()
-    model_dir = write_random_model(model_dir, "llama", device=device, **shape)
+    if args.load_format == "dummy":  # config and tokenizer only: both engines draw the weights on the device
+        model_dir = write_config_only(model_dir.with_name(model_dir.name + "-dummy"), "llama", shape)
+    else:
+        model_dir = write_random_model(model_dir, "llama", device=device, **shape)
     paths = adapters(
         model_dir.with_name(model_dir.name + f"-lora-r{args.rank}"),
         model_dir,

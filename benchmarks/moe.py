@@ -11,6 +11,8 @@ expert intermediate 768, 32/4 heads of 128, vocabulary 151,936) with dummy bf16 
   GEMMs must read every expert's weights and cannot run faster than those bytes at the copy bandwidth.
   `moe_gemm_tflops_b256_bw_bound` is that rate, `moe_gemm_fraction_of_bw_bound` how close the kernels get;
   a few tile shapes are timed too (`moe_gemm_tile_sweep`). `matmul_tflops`: a large bf16 matmul.
+- `moe_layer`: layer 0's whole MoE block at 1 and 8 tokens against the bytes it must read, times the layer
+  count: how much of a decode step the routed experts take.
 
     python benchmarks/moe.py                              # H200: about 5 minutes, kernel builds included
     python benchmarks/moe.py --preset tiny --device cpu   # the same steps on a tiny shape, as a smoke test
@@ -193,6 +195,31 @@ def gemm_timings(llm: LLM, ceilings: dict[str, float], batch: int, sweep: bool) 
     }
 
 
+def layer_timing(llm: LLM, ceilings: dict[str, float], batch: int) -> dict[str, Any]:
+    """Layer 0's whole MoE block (router, top-k, experts, sum) at `batch` tokens in CUDA-graph replays,
+    against the bytes it must read: the router and every expert its tokens chose. At batch 1 this is
+    the share of the batch-1 step that the routed experts take (the rest is attention, norms, LM head)."""
+    from tandem.engine.moe.layer import MoE
+
+    engine = llm.runtime.engine
+    device = engine.config.device
+    layer = engine.model.model.layer(0).mlp
+    if not isinstance(layer, MoE) or layer.experts.fused is None:
+        return {"skipped": "the fused MoE kernels run on CUDA"}
+    c = engine.model_config
+    assert c.moe is not None
+    gen = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(batch, c.hidden_size, generator=gen, device=device).to(engine.config.dtype)
+    with torch.inference_mode():
+        ids = torch.topk(layer.gate(x).float(), c.moe.top_k, dim=-1).indices
+        us = _timer(device)(lambda i: layer(x), 50)
+    cost = expert_gemm_cost(c, ids)
+    router_bytes = c.moe.num_experts * c.hidden_size * 2
+    bound_us = (cost["bytes"] + router_bytes) / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e6
+    return {"batch": batch, "us": us, "bw_bound_us": bound_us, "fraction_of_bw_bound": bound_us / us,
+            "experts_hit": cost["experts_hit"], "per_step_ms": us * c.num_layers / 1e3}  # fmt: skip
+
+
 def decode_timings(llm: LLM, steps: int) -> list[dict[str, Any]]:
     engine = llm.runtime.engine
     graphs = engine.decode_graphs
@@ -252,6 +279,7 @@ def main() -> None:
     floor = decode_b1_bytes(c, CONTEXT)
     floor_ms = floor["total"] / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e3
     gemm = gemm_timings(llm, ceilings, 256, sweep=not args.no_sweep)
+    layers = [layer_timing(llm, ceilings, b) for b in (1, 8)] if device.type == "cuda" else []
     b1 = next(r["ms"] for r in decode if r["batch"] == 1)
     full = args.preset == "qwen3-30b-a3b" and device.type == "cuda"
     name = "moe-h200" if full else f"moe-{args.preset}-{device.type}"
@@ -287,6 +315,7 @@ def main() -> None:
         "moe_gemm_tflops_b256_bw_bound": gemm.get("bw_bound_tflops"),
         "moe_gemm_fraction_of_bw_bound": gemm.get("fraction_of_bw_bound"),
         "moe_gemm_b256": gemm,
+        "moe_layer": layers,
         "targets": {
             "decode_b1_ms <= 1.6 x decode_b1_floor_ms": b1 <= 1.6 * floor_ms,
             "moe_gemm_tflops_b256 >= matmul_tflops / 2": None

@@ -121,12 +121,7 @@ BASE: dict[str, Any] = {
     "cuda_graph_max_bs": 16,
     "piecewise_max_tokens": 1024,
 }
-OFF: dict[str, Any] = {
-    "overlap": False,
-    "cuda_graph": False,
-    "piecewise_cuda_graph": False,
-    "copy_stream": False,
-}
+GRAPHS_OFF: dict[str, Any] = {"cuda_graph": False, "piecewise_cuda_graph": False}
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5)
 
 
@@ -157,10 +152,13 @@ def test_moe_models_under_cuda_graphs_match_eager(
     assert_same_greedy: Callable[[list[Any], list[Any]], None],
 ) -> None:
     """Decode graphs of 1 to 16 rows (the one- and two-token path, then the grouped one) and piecewise
-    prefill graphs, with chunked prefill mixing decode rows into them, against the eager run."""
+    prefill graphs, with chunked prefill mixing decode rows into them, against the eager run of the same
+    chunks. Only the graphs differ between the runs: a routing decision is a top-k over near-equal
+    probabilities in these random models, so any other change of rounding (another chunking, the
+    unfused path) flips an expert somewhere and moves the logits by more than a near-tie."""
     model_dir = gpu_model_dir(family)
     batch = prompts(512)
-    expected = run(model_dir, batch, **OFF)
+    expected = run(model_dir, batch, chunk_size=64, **GRAPHS_OFF)
     outs = run(model_dir, batch, chunk_size=64)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
     assert_same_greedy(expected, outs)
@@ -174,6 +172,6 @@ def test_expert_parallel_tp2_graphs_match_eager(
     inside the graphs, against the same TP=2 expert-parallel model run eagerly."""
     model_dir = gpu_model_dir("qwen3_moe")
     batch = prompts(512)
-    expected = run(model_dir, batch, tp_size=2, enable_expert_parallel=True, **OFF)
+    expected = run(model_dir, batch, tp_size=2, enable_expert_parallel=True, chunk_size=64, **GRAPHS_OFF)
     outs = run(model_dir, batch, tp_size=2, enable_expert_parallel=True, chunk_size=64)
     assert_same_greedy(expected, outs)
