@@ -180,12 +180,20 @@ def _flashinfer_importable() -> bool:
 
 
 def resolve_backend(
-    name: str, device: torch.device, head_dim: int | None = None, facts: DeviceFacts | None = None
+    name: str,
+    device: torch.device,
+    head_dim: int | None = None,
+    facts: DeviceFacts | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> str:
-    """'auto' is flashinfer on CUDA when it imports and serves the head size, else the torch reference."""
+    """'auto' is flashinfer on CUDA when it imports and serves the head size and the dtype (16-bit),
+    else the torch reference."""
     on_gpu = device.type == "cuda"
     if name == "flashinfer" and not on_gpu:
         raise ValueError("attention_backend='flashinfer' needs a CUDA device")
+    sixteen_bit = dtype in (torch.bfloat16, torch.float16)
+    if name == "flashinfer" and not sixteen_bit:
+        raise ValueError(f"attention_backend='flashinfer' serves bfloat16 and float16, got {dtype}")
     served = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
     if name == "flashinfer" and not served:
         raise ValueError(
@@ -193,7 +201,7 @@ def resolve_backend(
         )
     if name == "auto":
         # The tiny test models and the demo model (head_dim 16 and 32) take the torch backend on GPU too.
-        if not (on_gpu and served):
+        if not (on_gpu and served and sixteen_bit):
             return "torch"
         importable = facts.flashinfer if facts is not None else _flashinfer_importable()
         return "flashinfer" if importable else "torch"
@@ -228,7 +236,9 @@ def resolve_engine_config(
     else:
         dev = torch.device("cuda" if facts.cuda else "cpu")
     on_gpu = facts.cuda
-    backend = resolve_backend(opts.attention_backend, dev, _head_dim(model_dir) if on_gpu else None, facts)
+    dtype = resolve_dtype(opts.dtype, dev)
+    head_dim = _head_dim(model_dir) if on_gpu else None
+    backend = resolve_backend(opts.attention_backend, dev, head_dim, facts, dtype)
     # flashinfer and CUDA graphs like 16-token pages; on CPU small pages keep tiny pools fine-grained.
     page = opts.page_size or (16 if on_gpu else 4)
     num_pages = opts.num_pages
@@ -236,7 +246,8 @@ def resolve_engine_config(
         num_pages = max(1, KV_TOKENS_CPU // page)
     # Decode graphs need an attention backend that plans into fixed buffers (flashinfer).
     graphs = opts.cuda_graph and on_gpu and backend == "flashinfer"
-    # Same condition as the backend: flashinfer imports and serves the head size.
+    # Same condition as the backend: flashinfer imports and serves the head size and the dtype (its
+    # kernels take 16-bit tensors, so a float32 run on CUDA, a reference run, keeps the torch path).
     fused = opts.fused_kernels and backend == "flashinfer"
     triton = fused and facts.triton
     # PDL and tinygemm live inside CUDA graphs, with the fused kernels, on Hopper and later; the one-launch
@@ -246,7 +257,7 @@ def resolve_engine_config(
     return EngineConfig(
         model_dir=model_dir,
         device=dev,
-        dtype=resolve_dtype(opts.dtype, dev),
+        dtype=dtype,
         page_size=page,
         num_pages=num_pages,
         mem_fraction=opts.mem_fraction,

@@ -50,6 +50,16 @@ def test_hopper_defaults_resolve_to_todays_limits(tmp_path: Path) -> None:
     assert config.gemv_max_bs == 1
 
 
+def test_float32_on_cuda_takes_the_torch_reference_path(tmp_path: Path) -> None:
+    # flashinfer's attention, norm and rope kernels take 16-bit tensors: a float32 run never reaches them.
+    config = _config(tmp_path, H200, dtype="float32")
+    assert config.attention_backend == "torch" and not config.cuda_graph
+    assert not config.fused_kernels and not config.triton and config.pdl_max_bs == 0
+    assert _config(tmp_path, H200, dtype="float16").fused_kernels
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        _config(tmp_path, H200, dtype="float32", attention_backend="flashinfer")
+
+
 def test_hopper_plans_per_decode_graph(tmp_path: Path) -> None:
     config = _config(tmp_path, H200)
     planner = KernelPlanner.from_config(config)

@@ -135,6 +135,11 @@ def greedy_disagreements(reference: list[Any], other: list[Any], near_tie: float
     return problems
 
 
+@pytest.fixture(name="greedy_disagreements")
+def greedy_disagreements_fixture() -> Callable[..., list[str]]:
+    return greedy_disagreements
+
+
 @pytest.fixture
 def assert_same_greedy() -> Callable[..., None]:
     def check(reference: list[Any], other: list[Any], near_tie: float = NEAR_TIE) -> None:
