@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, ForwardOutput, PromptLogprobs, SamplingBatch, StepLogits
+from tandem.engine.batch import ForwardBatch
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.grammar import BitmaskFiller, GrammarCache, GrammarState
+from tandem.scheduler.inflight import EngineLike, InFlight
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import (
@@ -33,35 +33,6 @@ from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
 from tandem.scheduler.step_timer import StepTimer
 from tandem.scheduler.table import RequestTable
-
-
-class EngineLike(Protocol):
-    """What the scheduler needs of the engine."""
-
-    def forward(self, batch: ForwardBatch) -> ForwardOutput: ...
-
-    def step_logits(self, batch: ForwardBatch) -> StepLogits: ...
-
-    def sample(
-        self, logits: torch.Tensor, sampling: SamplingBatch, prompt: PromptLogprobs | None = None
-    ) -> ForwardOutput: ...
-
-
-@dataclass
-class InFlight:
-    """A launched batch whose results have not been processed yet.
-
-    A batch with structured-output rows is launched in two halves: the forward (`logits`), then,
-    once the tokens before it are accepted by their matchers, the masked sample that sets `output`.
-    """
-
-    prepared: PreparedBatch
-    output: ForwardOutput | None
-    sampling: SamplingBatch | None = None  # set while the sample is pending
-    logits: StepLogits | None = None
-    grammar_rows: list[int] | None = None  # batch rows with a matcher that sample this step
-    bitmask: Future[torch.Tensor] | None = None  # their masks, being filled on the filler's worker
-
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]
 logger = logging.getLogger(__name__)
