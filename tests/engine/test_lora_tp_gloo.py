@@ -17,10 +17,11 @@ import torch.multiprocessing as mp
 
 from tandem.engine.distributed import TPGroup
 from tandem.engine.tiny.adapters import write_random_adapter
-from tandem.scheduler.messages import AddRequest, LoRARequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.scheduler.messages import AddRequest, LoRARequest, SamplingSpec, TokenOutput
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 
 from .lora_refs import merged_greedy, peft_adapter
+from .rank_runs import run_until_idle
 
 PROMPT_LENS = [6, 21, 13]
 MAX_NEW = 12
@@ -40,20 +41,8 @@ def run_rank(model_dir: str, rank: int, size: int, port: int, requests: list[Add
     outputs: list[TokenOutput] = []
     options = RuntimeOptions.of(device="cpu", enable_lora=True, max_loras=1, max_running=3)
     runtime = RankRuntime(Path(model_dir), options, tp, outputs.extend)
-    inbox: list[SchedulerMsg] = list(requests)
-
-    def receive(blocking: bool) -> list[SchedulerMsg]:
-        msgs = list(inbox)
-        inbox.clear()
-        return msgs
-
-    runtime.step(receive)
-    while runtime.busy:
-        runtime.step(receive)
-    tokens: dict[int, list[int]] = {r.rid: [] for r in requests}
-    for out in outputs:
-        if out.token_id is not None:
-            tokens[out.rid].append(out.token_id)
+    done = run_until_idle(runtime, outputs, list(requests))
+    tokens = {r.rid: done.get(r.rid, []) for r in requests}
     stats = runtime.scheduler.stats()
     if size > 1:
         dist.destroy_process_group()

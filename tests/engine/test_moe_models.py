@@ -23,6 +23,8 @@ from tandem.engine.moe.experts import MoEExperts
 from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 
+from .rank_runs import run_until_idle
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -108,20 +110,9 @@ def _rank(model_dir: str, rank: int, prompts: list[list[int]], ep: bool) -> dict
     runtime = RankRuntime(Path(model_dir), options, tp, outputs.extend)
     held = [tuple(m.w13.shape) for m in runtime.engine.model.modules() if isinstance(m, MoEExperts)]
     spec = SamplingSpec(max_tokens=MAX_NEW, temperature=0.0)
-    inbox: list[SchedulerMsg] = [AddRequest(i, p, spec) for i, p in enumerate(prompts)]
-
-    def receive(blocking: bool) -> list[SchedulerMsg]:
-        msgs = list(inbox)
-        inbox.clear()
-        return msgs
-
-    runtime.step(receive)
-    while runtime.busy:
-        runtime.step(receive)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    for out in outputs:
-        if out.token_id is not None:
-            tokens[out.rid].append(out.token_id)
+    messages: list[SchedulerMsg] = [AddRequest(i, p, spec) for i, p in enumerate(prompts)]
+    done = run_until_idle(runtime, outputs, messages)
+    tokens = [done.get(i, []) for i in range(len(prompts))]
     return {"tokens": tokens, "experts_held": held}
 
 

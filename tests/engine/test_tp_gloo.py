@@ -11,8 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.engine.distributed import TPGroup
-from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
+from tandem.scheduler.messages import AddRequest, SamplingSpec, TokenOutput
 from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
+
+from .rank_runs import run_until_idle
 
 PROMPT_LENS = [5, 17, 40, 9]
 
@@ -32,20 +34,8 @@ def run_rank(
         tp = TPGroup(rank, size, dist.group.WORLD)
     outputs: list[TokenOutput] = []
     runtime = RankRuntime(Path(model_dir), RuntimeOptions.of(device="cpu"), tp, outputs.extend)
-    inbox: list[SchedulerMsg] = list(requests)
-
-    def receive(blocking: bool) -> list[SchedulerMsg]:
-        msgs = list(inbox)
-        inbox.clear()
-        return msgs
-
-    runtime.step(receive)
-    while runtime.busy:
-        runtime.step(receive)
-    tokens: dict[int, list[int]] = {r.rid: [] for r in requests}
-    for out in outputs:
-        if out.token_id is not None:
-            tokens[out.rid].append(out.token_id)
+    done = run_until_idle(runtime, outputs, list(requests))
+    tokens = {r.rid: done.get(r.rid, []) for r in requests}
     if size > 1:
         dist.destroy_process_group()
     return tokens
