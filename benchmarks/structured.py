@@ -39,14 +39,14 @@ from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
 from tandem.benchmarks.offline import add_workload_args, pages_for, workload
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
-from tandem.scheduler.grammar import (
+from tandem.scheduler.messages import GrammarSpec, TokenOutput
+from tandem.scheduler.sampling_params import StructuredOutputs
+from tandem.scheduler.structured.grammar import (
     BitmaskFiller,
     GrammarState,
     compile_spec,
     hf_tokenizer_info,
 )
-from tandem.scheduler.messages import GrammarSpec, TokenOutput
-from tandem.scheduler.sampling_params import StructuredOutputs
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -26,7 +26,6 @@ from tandem.replicas.lora_catalog import LoraCatalog
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
 from tandem.replicas.watchdog import Problem, RankWatchdog, ReplicaUnhealthy, task_died
-from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.messages import (
     AbortRequest,
     AddRequest,
@@ -37,6 +36,7 @@ from tandem.scheduler.messages import (
 )
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams, to_spec
+from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 HEALTH_PERIOD_S = 1.0
 ABORT_SEND_TIMEOUT_S = 1.0

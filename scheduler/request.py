@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.scheduler.grammar import GrammarState
 from tandem.scheduler.messages import LoRARequest, SamplingSpec
+from tandem.scheduler.structured.grammar import GrammarState
 
 _SEED_MASK = (1 << 62) - 1
 

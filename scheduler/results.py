@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from tandem.engine.batch import ForwardOutput
 from tandem.scheduler.batch_builder import Row
-from tandem.scheduler.grammar import GrammarState, accept_tokens
 from tandem.scheduler.messages import TokenOutput
+from tandem.scheduler.structured.grammar import GrammarState, accept_tokens
 
 
 class ResultProcessor:

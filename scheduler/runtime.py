@@ -17,13 +17,13 @@ from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.grammar import GrammarCache, hf_tokenizer_info
 from tandem.scheduler.inflight import InFlight
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, admission_error
 from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.options import RuntimeOptions
 from tandem.scheduler.scheduler import MessageSource, Scheduler
+from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 __all__ = ["RankRuntime", "RuntimeLimits", "RuntimeOptions"]
 

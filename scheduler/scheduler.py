@@ -17,7 +17,6 @@ from tandem.engine.batch import ForwardBatch
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.inflight import EngineLike, InFlight
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.lora_slots import AdapterSlots
@@ -32,6 +31,7 @@ from tandem.scheduler.messages import (
 from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
 from tandem.scheduler.step_timer import StepTimer
+from tandem.scheduler.structured.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.table import RequestTable
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]

@@ -19,8 +19,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tandem import LLM, SamplingParams
 from tandem.engine.tiny.factory import make_tiny_model
-from tandem.scheduler.json_strings import rewrite_bounded_strings
 from tandem.scheduler.sampling_params import StructuredOutputs
+from tandem.scheduler.structured.json_strings import rewrite_bounded_strings
 
 SEEDS = 16  # 4 schemas x 16 seeds: one batch of 64 rows, the CPU engine's max_running
 

@@ -14,9 +14,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.batch import SamplingBatch
 from tandem.engine.sampler import Sampler
-from tandem.scheduler.grammar import GrammarCache, choice_grammar
 from tandem.scheduler.messages import GrammarSpec
 from tandem.scheduler.sampling_params import StructuredOutputs, to_spec
+from tandem.scheduler.structured.grammar import GrammarCache, choice_grammar
 
 # Nested objects, an array of enums, bounded integers and patterned strings: every branch closes.
 SCHEMA: dict[str, Any] = {
@@ -214,7 +214,7 @@ def test_sampler_applies_bias_and_bitmask_to_their_rows_only() -> None:
 def test_compile_errors_name_the_reason(tiny_model_dir: Any) -> None:
     from transformers import AutoTokenizer
 
-    from tandem.scheduler.grammar import hf_tokenizer_info
+    from tandem.scheduler.structured.grammar import hf_tokenizer_info
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
     cache = GrammarCache(lambda: hf_tokenizer_info(tokenizer, (tokenizer.eos_token_id,)))
@@ -238,7 +238,7 @@ def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from tandem.scheduler.grammar import (
+    from tandem.scheduler.structured.grammar import (
         BitmaskFiller,
         GrammarState,
         compile_spec,
@@ -292,7 +292,12 @@ def test_batched_accepts_record_what_each_matcher_says_alone(tiny_model_dir: Any
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from tandem.scheduler.grammar import GrammarState, accept_tokens, compile_spec, hf_tokenizer_info
+    from tandem.scheduler.structured.grammar import (
+        GrammarState,
+        accept_tokens,
+        compile_spec,
+        hf_tokenizer_info,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
     eos = tokenizer.eos_token_id

@@ -21,8 +21,8 @@ from typing import Any, Literal
 import torch
 import xgrammar as xgr
 
-from tandem.scheduler.json_strings import rewrite_schema_text
 from tandem.scheduler.messages import GrammarSpec
+from tandem.scheduler.structured.json_strings import rewrite_schema_text
 
 # Distinct grammars kept compiled (an LRU): a compiled JSON schema holds a per-token mask cache, of a
 # few hundred KiB to a few MiB for a 150k vocabulary.
