@@ -47,12 +47,14 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     text_offsets: list[int] = field(default_factory=list)
+    _next_offset: int = field(default=0, init=False, repr=False)
 
     def add(self, delta: ChoiceDelta) -> None:
         if delta.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
-            self.text_offsets.extend(_offsets(len(self.text), delta.logprobs))
+            offsets, self._next_offset = _offsets(self._next_offset, delta.logprobs)
+            self.text_offsets.extend(offsets)
             self.logprobs.extend(delta.logprobs)
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
@@ -60,14 +62,16 @@ class ChoiceResult:
             self.finish_reason = delta.finish_reason
 
 
-def _offsets(base: int, entries: list[TokenLogprob]) -> list[int]:
-    # Where each token's text starts in the choice's text. Stop strings and multi-token characters make
-    # this approximate, as it is in other OpenAI-compatible servers.
+def _offsets(base: int, entries: list[TokenLogprob]) -> tuple[list[int], int]:
+    # Where each token's text starts: the running sum of the token strings before it, as vLLM counts it.
+    # It is not measured on the detokenized text, whose length at a delta's start depends on how the
+    # tokens happened to be grouped into deltas (bytes of one character are held back until it is
+    # whole), so the same tokens would get other offsets streamed, unstreamed or under other load.
     offsets, position = [], base
     for entry in entries:
         offsets.append(position)
         position += len(entry.token)
-    return offsets
+    return offsets, position
 
 
 class _Format:
@@ -78,7 +82,7 @@ class _Format:
         self.response_id = response_id
         self.model = model
         self.created = created
-        self._text_lengths: dict[int, int] = {}  # per choice, for streamed text offsets
+        self._next_offsets: dict[int, int] = {}  # per choice, for streamed text offsets
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -95,9 +99,10 @@ class _Format:
         return chunk
 
     def _streamed_offsets(self, delta: ChoiceDelta) -> list[int]:
-        base = self._text_lengths.get(delta.index, 0)
-        self._text_lengths[delta.index] = base + len(delta.text)
-        return _offsets(base, delta.logprobs or [])
+        offsets, self._next_offsets[delta.index] = _offsets(
+            self._next_offsets.get(delta.index, 0), delta.logprobs or []
+        )
+        return offsets
 
 
 class CompletionFormat(_Format):
