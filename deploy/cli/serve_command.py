@@ -132,6 +132,9 @@ def run_serve(args: argparse.Namespace) -> int:
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)
+        # A shell starts a background job (`tandem serve &` in a script) with SIGINT ignored, and Python
+        # then installs no handler of its own; `kill -INT` should still stop it, as it stops uvicorn.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         # Serve's controller, proxies and HAProxy log at this level; so do the app's replicas (their
         # access log lines are INFO).
         logging_config = {"log_level": log_level}

@@ -55,7 +55,10 @@ def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a fresh local Ray
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        # Started as a shell starts a background job, with SIGINT ignored: the SIGINT below must still
+        # stop it, as Ctrl-C does in a terminal.
+        shell = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command]
+        process = subprocess.Popen(shell, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     lines: list[str] = []
     ready = threading.Event()
 
