@@ -3,12 +3,16 @@ them (`RunningReplica.multiplexed_model_ids`), or as this router placed it itsel
 (the reports lag the first request that loads it, and a burst must not load it on every replica).
 
 A replica loads an adapter only when none holds it, or when every holder is full: more than the router's
-imbalance threshold busier than the least loaded replica. A new adapter goes to the replica holding the
-fewest adapters, then the least loaded, so adapters spread over the replicas as prefixes do.
+imbalance threshold busier than the least loaded replica. The replica for a new adapter is the one that
+ranks first for it by rendezvous hashing, among those within the threshold. The rank depends only on the
+adapter's name and the replicas' ids, so every router (HAProxy's route hook, each process's handle) sends
+a new adapter to the same replica without waiting for any report; over many adapters it spreads them
+evenly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,6 +20,12 @@ from ray.serve.request_router import RunningReplica
 
 # How long the router's own placement counts as a holder before the replica's report must confirm it.
 PLACEMENT_TTL_S = 10.0
+
+
+def rendezvous_rank(adapter: str, replica: RunningReplica) -> bytes:
+    """The replica's rank for `adapter` (highest first): the same in every process, unlike `hash`."""
+    key = f"{adapter}\x00{replica.replica_id.to_full_id_str()}".encode()
+    return hashlib.blake2b(key, digest_size=8).digest()
 
 
 class AdapterPlacements:
@@ -33,12 +43,6 @@ class AdapterPlacements:
             if adapter in r.multiplexed_model_ids or r.replica_id.to_full_id_str() in placed
         ]
 
-    def held_count(self, replica: RunningReplica) -> int:
-        tenant = replica.replica_id.to_full_id_str()
-        now = time.monotonic()
-        mine = {a for a, where in self._placed.items() if now - where.get(tenant, -1e18) < self._ttl}
-        return len(set(replica.multiplexed_model_ids) | mine)
-
     def pick(
         self,
         adapter: str,
@@ -48,16 +52,16 @@ class AdapterPlacements:
         among: Callable[[Sequence[RunningReplica]], RunningReplica],
     ) -> RunningReplica:
         """The replica for a request of `adapter`: `among(holders)` (the prefix-aware choice) unless every
-        holder is full; else a new one, which will load it."""
+        holder is full; else the first by rendezvous rank of the others with room, which will load it."""
         least = min(load(r) for r in candidates)
         holders = self.holders(adapter, candidates)
-        room = [r for r in holders if load(r) - least <= imbalance]
-        if room:
-            chosen = among(room)
-            self.record(adapter, chosen)
-            return chosen
-        others = [r for r in candidates if r not in holders] or list(candidates)
-        chosen = min(others, key=lambda r: (self.held_count(r), load(r)))
+        room = [r for r in candidates if load(r) - least <= imbalance]  # never empty: the least loaded
+        held = [r for r in holders if r in room]
+        if held:
+            chosen = among(held)
+        else:  # the least loaded replica is no holder here, so `others` is not empty
+            others = [r for r in room if r not in holders]
+            chosen = max(others, key=lambda r: rendezvous_rank(adapter, r))
         self.record(adapter, chosen)
         return chosen
 

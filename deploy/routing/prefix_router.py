@@ -175,6 +175,11 @@ class PrefixAffinityRouter(RequestRouter):
         else:
             chosen = self.pick(text, candidate_replicas)
             self._record(text, chosen.replica_id)
+        if adapter is not None:
+            # One rank only: a probe of the pick that misses its deadline (a busy host) would otherwise
+            # send the request down the next rank, to a replica that then loads the adapter too. Serve
+            # backs off and asks again, and `pick` moves the adapter on once its holders are full.
+            return [[chosen]]
         # Serve tries the first rank, then the next if the pick has no room.
         rest = sorted((r for r in candidate_replicas if r is not chosen), key=self.load)
         return [[chosen], rest] if rest else [[chosen]]

@@ -1,8 +1,9 @@
 """LoRA adapter affinity in the request router (routing/adapter_affinity.py, through PrefixAffinityRouter)
 over fake replicas: an adapter's requests stick to one replica from its first request on (before any
-replica reports holding it), new adapters spread over the replicas, a replica that reports holding an
-adapter gets its requests, a full holder is passed over (another replica loads it), the adapter comes from
-the body's `model` or Serve's multiplexed model id, and an adapter's prompt prefixes are its own."""
+replica reports holding it), two routers place a new adapter alike and spread many adapters, a replica
+that reports holding an adapter gets its requests, a full holder is passed over (another replica loads
+it), the adapter comes from the body's `model` or Serve's multiplexed model id, and an adapter's prompt
+prefixes are its own."""
 
 from __future__ import annotations
 
@@ -67,7 +68,24 @@ def test_four_adapters_each_stick_to_one_of_two_replicas() -> None:
 
     seen = asyncio.run(run())
     assert all(len(where) == 1 for where in seen.values()), seen
-    assert sorted(next(iter(w)) for w in seen.values()) == ["a", "a", "b", "b"], seen  # spread 2 + 2
+
+
+def test_routers_that_share_nothing_place_each_new_adapter_on_the_same_replica() -> None:
+    """HAProxy's route hook and a handle are two routers, each with only its own placements until the
+    replicas' reports arrive: both send a new adapter to the same replica, and many adapters spread."""
+    names = ["a", "b", "c", "d"]
+    adapters = [f"tenant-{i}" for i in range(64)]
+
+    async def placements(order: list[str]) -> dict[str, str]:
+        replicas = [FakeReplica(n) for n in names]  # another process's view of the same replicas
+        router = await _router(replicas)
+        return {a: await _route(router, replicas, {"model": a, "prompt": f"hi from {a}"}) for a in order}
+
+    first = asyncio.run(placements(adapters))
+    second = asyncio.run(placements(adapters[::-1]))
+    assert first == second
+    counts = [list(first.values()).count(n) for n in names]
+    assert all(8 <= c <= 24 for c in counts), counts  # 16 each on average
 
 
 def test_reported_holders_get_the_adapter_and_full_ones_are_passed_over() -> None:
@@ -83,6 +101,29 @@ def test_reported_holders_get_the_adapter_and_full_ones_are_passed_over() -> Non
 
     held, still, moved = asyncio.run(run())
     assert held == "b" and still == "b" and moved == "a"
+
+
+def test_an_adapter_request_gets_no_fallback_rank() -> None:
+    """Serve tries a later rank when its probe of the first misses the deadline (a busy host), and that
+    replica would load the adapter too. An adapter's request gets the pick alone (Serve backs off and asks
+    again); a base model's request keeps the others as a fallback."""
+
+    async def run() -> tuple[list[list[str]], list[list[str]]]:
+        replicas = [FakeReplica("a", held={"sql"}), FakeReplica("b"), FakeReplica("c")]
+        router = await _router(replicas)
+
+        async def ranks(body: dict[str, str]) -> list[list[str]]:
+            request = PendingRequest(
+                args=[body], kwargs={}, metadata=SimpleNamespace(multiplexed_model_id="")
+            )  # type: ignore[arg-type]
+            chosen = await router.choose_replicas(replicas, request)  # type: ignore[arg-type]
+            return [[str(r.replica_id.unique_id) for r in rank] for rank in chosen]
+
+        return await ranks({"model": "sql", "prompt": "hi"}), await ranks({"model": BASE, "prompt": "hi"})
+
+    adapter, base = asyncio.run(run())
+    assert adapter == [["a"]]
+    assert len(base) == 2 and sorted(base[0] + base[1]) == ["a", "b", "c"]
 
 
 def test_the_adapter_comes_from_the_multiplexed_model_id_without_a_body() -> None:
