@@ -126,9 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
     state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
     try:
-        started_ray = _connect_ray(
-            args.address, plan, args.metrics_port, args.ingress, state_dir, log_level
-        )
+        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress, state_dir, log_level)
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)

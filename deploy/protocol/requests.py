@@ -247,8 +247,10 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
                 )
             key = non_json_template_value(kwargs)
             if key is not None:
-                raise ValueError(f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, "
-                                 "string, list or object)")
+                raise ValueError(
+                    f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, "
+                    "string, list or object)"
+                )
         return kwargs
 
     @field_validator("top_logprobs")

@@ -52,6 +52,7 @@ def test_without_a_tie_at_the_kth_place_the_choice_is_torch_topk_s() -> None:
     assert torch.equal(ids, torch.topk(torch.softmax(logits, -1), 4, dim=-1).indices)
     assert torch.equal(ids, clear)
 
+
 def random_experts(seed: int, experts: int = E, inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor]:
     """Full (unsharded) fused weights: w13 [E, 2I, H] and w2 [E, H, I]."""
     g = torch.Generator().manual_seed(seed)

@@ -108,7 +108,9 @@ def _utf8(tokenizer: PreTrainedTokenizerFast, token_ids: list[int]) -> str:
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table, which the ByteLevel pre-tokenizer uses."""
     printable = [
-        *range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
     ]
     chars, extra = {}, 0
     for b in range(256):
