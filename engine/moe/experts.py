@@ -101,11 +101,13 @@ class MoEExperts(nn.Module):
         logits: torch.Tensor,
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        pdl: bool = False,
     ) -> torch.Tensor:
         """This rank's part of sum_j w_j expert_j(x) for router `logits` [T, E], plus
-        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]."""
+        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]. `pdl`:
+        the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
         if self.fused is not None:
-            out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate)
+            out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate, pdl)
             return out
         weights, ids = select_experts(logits, self.spec.top_k, renormalize=self.spec.renormalize)
         out = self._torch_experts(x, weights, ids)

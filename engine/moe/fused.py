@@ -3,7 +3,7 @@
 Everything is decided from shapes (the token count is a shape, fixed for each captured graph), and no
 value is read back to the host: routing, grouping by expert and both GEMMs run on the device with buffers
 of their worst-case size, so the layer captures into decode and piecewise CUDA graphs like the dense
-MLP. One or two tokens take triton_small.py (two launches); more take triton_route.py's routing and
+MLP. One or two tokens take triton_small.py (three launches); more take triton_route.py's routing and
 grouping and triton_gemm.py's grouped GEMMs and top-k sum.
 
 flashinfer 0.7's fused MoE is not used: its bf16 path on Hopper is a CUTLASS module compiled at first use
@@ -19,25 +19,42 @@ from typing import Any
 import torch
 import triton
 
+from tandem.engine.layers.pdl import pdl_launch
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.moe.triton_gemm import grouped_gemm_kernel, sum_kernel
 from tandem.engine.moe.triton_route import align_kernel, route_kernel
-from tandem.engine.moe.triton_small import down_kernel, up_kernel
+from tandem.engine.moe.triton_small import choose_kernel, down_kernel, up_kernel
 
 # Up to this many tokens the experts run as per-pair GEMVs (triton_small.py): their few pairs rarely share
-# an expert, so grouping saves no weight reads and costs three launches.
+# an expert, so grouping saves no weight reads and costs two more launches.
 SMALL_MAX_TOKENS = 2
 ONEHOT_ELEMENTS = 8192  # route_kernel's [BT * k, experts] one-hot per program
-# Weight elements a small-path program loads per step: its slice of an expert's gate (and as much of its
-# up) rows, or of its down rows for one expert of the k; the whole reduction in one step up to 2,048.
-SMALL_UP_SLICE, SMALL_DOWN_SLICE = 4096, 4096
 
 
-def small_blocks(reduction: int, slice_elements: int) -> tuple[int, int]:
-    """(BK, BN) of a small-path kernel: the reduction in blocks of up to 2,048, and as many output
-    features a program as keep its slice within `slice_elements` (1 to 16)."""
-    bk = min(2048, triton.next_power_of_2(reduction))
-    return bk, max(1, min(16, slice_elements // bk))
+def reduction_block(wanted: int, reduction: int) -> int:
+    """A small-path kernel's BK: `wanted` (0 for 2,048), but no more than the reduction's power of two;
+    the kernels unroll their reduction, so one block covers it up to that size."""
+    return min(wanted or 2048, int(triton.next_power_of_2(reduction)))
+
+
+@dataclass(frozen=True)
+class SmallBlocks:
+    """The one- and two-token path's launches: whether one program a token routes first (`routed`:
+    choose_kernel, then each up and down program reads its experts) or every program routes for itself;
+    each kernel's output features a program (BN), largest reduction block (BK, 0 for 2,048) and
+    warps. The defaults are the fastest of benchmarks/kernels/moe_small_variants.py's sweep at one token
+    and within 1% of it at two (benchmarks/results/moe-small-variants-h200.json)."""
+
+    routed: bool = True
+    up_bn: int = 1
+    up_bk: int = 1024
+    up_warps: int = 4
+    down_bn: int = 4
+    down_bk: int = 0
+    down_warps: int = 4
+
+
+SMALL_BLOCKS = SmallBlocks()
 
 
 @dataclass(frozen=True)
@@ -100,9 +117,10 @@ class FusedMoE:
         w2: torch.Tensor,
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        pdl: bool = False,
     ) -> torch.Tensor:
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(x, logits, w13, w2, shared, shared_gate)
+            return self._small(x, logits, w13, w2, shared, shared_gate, pdl)
         routing = self.route(logits)
         pairs = self.expert_gemms(x, routing, w13, w2)
         return self.sum(pairs, routing, shared, shared_gate)
@@ -115,21 +133,34 @@ class FusedMoE:
         w2: torch.Tensor,
         shared: torch.Tensor | None,
         shared_gate: torch.Tensor | None,
+        pdl: bool = False,
+        blocks: SmallBlocks | None = None,
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
+        b = blocks or SMALL_BLOCKS
         act = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
         route = self._route_args()
-        up_k, up_n = small_blocks(hidden, SMALL_UP_SLICE)
+        ids = torch.empty(tokens, k, dtype=torch.int32, device=x.device)
+        weights = torch.empty(tokens, k, dtype=torch.float32, device=x.device)
+        if b.routed:
+            s = self.spec
+            choose: Any = choose_kernel[(tokens,)]
+            choose(logits, ids, weights, logits.stride(0), E=s.num_experts, E_PAD=self.experts_pad, TOPK=k,
+                   K_PAD=self.k_pad, RENORM=s.renormalize, num_warps=1, **pdl_launch(pdl))  # fmt: skip
+        up_k, up_n = reduction_block(b.up_bk, hidden), b.up_bn
         up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
-        up(x, logits, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
-           HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, num_warps=4)  # fmt: skip
+        up(x, logits, ids, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
+           HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, ROUTED=b.routed, num_warps=b.up_warps,
+           **pdl_launch(pdl))  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
-        down_k, down_n = small_blocks(inter, SMALL_DOWN_SLICE)
+        down_k, down_n = reduction_block(b.down_bk, inter), b.down_bn
         down: Any = down_kernel[(tokens, triton.cdiv(hidden, down_n))]
         down(
             act,
             logits,
+            ids,
+            weights,
             w2,
             out,
             shared if has_shared else out,  # placeholders without a shared expert: never read
@@ -145,7 +176,9 @@ class FusedMoE:
             BN=down_n,
             BK=down_k,
             SHARED=has_shared,
-            num_warps=4,
+            ROUTED=b.routed,
+            num_warps=b.down_warps,
+            **pdl_launch(pdl),
         )
         return out
 

@@ -54,4 +54,4 @@ class MoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x, plan, reduce=False)
             shared_gate = self.shared_expert_gate(x, plan)
-        return self.tp.all_reduce(self.experts(x, logits, shared, shared_gate))
+        return self.tp.all_reduce(self.experts(x, logits, shared, shared_gate, plan.pdl))

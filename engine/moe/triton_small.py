@@ -1,13 +1,17 @@
-"""The experts for one or two tokens (decode at batch 1 and 2), in two Triton launches and no grouping.
+"""The experts for one or two tokens (decode at batch 1 and 2), in three Triton launches and no grouping.
 
 At that size a token's k experts are all different and no two tokens share many, so there is nothing to
-group: `up_kernel` runs one program per (pair, BN features) that routes its token itself (the router's
-softmax and top k again, from the logits, as triton_route.py does: a few hundred floats), and computes
-silu(gate) * up for its expert as a GEMV; `down_kernel` runs one program per (token, BN features) that
-routes again and adds its k experts' down projections, weighted, in routing order, plus a shared
-expert's gated output where there is one. So the layer's routed experts cost two launches in a decode
-graph, against five for the grouped path (route, align, two GEMMs, sum), and no buffer but the
-activation.
+group. `choose_kernel` routes each token once (the router's softmax and top k, from the logits, as
+triton_route.py does: a few hundred floats) into ids and weights; `up_kernel` runs one program per (pair,
+BN features) that computes silu(gate) * up for its pair's expert as a GEMV; `down_kernel` runs one
+program per (token, BN features) that adds its k experts' down projections, weighted, in routing order,
+plus a shared expert's gated output where there is one. Launched with PDL, each kernel is launched while
+the one before drains and waits for it before reading anything. The routed experts so cost three
+launches in a decode graph, against five for the grouped path (route, align, two GEMMs, sum).
+
+Without `ROUTED`, up and down programs route their token for themselves and choose_kernel is not
+launched: two launches, but the routing is repeated by every program, which costs more than the launch
+it saves (benchmarks/kernels/moe_small_variants.py measures both).
 """
 
 from __future__ import annotations
@@ -19,9 +23,38 @@ from tandem.engine.moe.triton_route import topk_rows
 
 
 @triton.jit
+def choose_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    stride_logits,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOPK: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """ids[token, j], weights[token, j]: the token's top k experts (global ids) and their weights. One
+    program a token, launched with one warp, whose reductions are shuffles with no shared memory."""
+    token = tl.program_id(0)
+    if PDL:  # reads only the router's logits, after the wait
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    rows = token + tl.arange(0, 1)
+    ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+    slots = tl.arange(0, K_PAD)
+    at = rows[:, None].to(tl.int64) * TOPK + slots[None, :]
+    mask = slots[None, :] < TOPK
+    tl.store(ids_ptr + at, ids, mask=mask)
+    tl.store(weights_ptr + at, weights, mask=mask)
+
+
+@triton.jit
 def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     x_ptr,
     logits_ptr,
+    ids_ptr,
     w13_ptr,
     act_ptr,
     stride_x,
@@ -38,14 +71,23 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     INTER: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    ROUTED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's."""
+    """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's.
+    The expert is ids[pair] where choose_kernel ran (ROUTED), else this program's own top k."""
     pair = tl.program_id(0)
     token = pair // TOPK
-    rows = token + tl.arange(0, 1)
-    ids, _ = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
-    slots = tl.arange(0, K_PAD)
-    expert = tl.sum(tl.where(slots[None, :] == pair % TOPK, ids, 0)) - expert_start
+    if PDL:  # the expert, and so every weight address, comes from an earlier kernel: nothing before
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if ROUTED:
+        expert = tl.load(ids_ptr + pair) - expert_start
+    else:
+        rows = token + tl.arange(0, 1)
+        ids, _ = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+        slots = tl.arange(0, K_PAD)
+        expert = tl.sum(tl.where(slots[None, :] == pair % TOPK, ids, 0)) - expert_start
     if (expert < 0) | (expert >= num_local):
         return
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -72,6 +114,8 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
 def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     act_ptr,
     logits_ptr,
+    ids_ptr,
+    weights_ptr,
     w2_ptr,
     out_ptr,
     shared_ptr,
@@ -93,20 +137,30 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     BN: tl.constexpr,
     BK: tl.constexpr,
     SHARED: tl.constexpr,
+    ROUTED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n]) over this rank's experts
     (+ sigmoid(gate) * shared[token, n])."""
     token = tl.program_id(0)
-    rows = token + tl.arange(0, 1)
-    ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
-    slots = tl.arange(0, K_PAD)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if not ROUTED:
+        rows = token + tl.arange(0, 1)
+        ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+        slots = tl.arange(0, K_PAD)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_mask = cols < HIDDEN
     acc = tl.zeros([BN], dtype=tl.float32)
     # All unrolled: the k experts' weight loads are independent and may all be in flight at once.
     for j in tl.static_range(TOPK):
-        expert = tl.sum(tl.where(slots[None, :] == j, ids, 0)) - expert_start
-        weight = tl.sum(tl.where(slots[None, :] == j, weights, 0.0))
+        if ROUTED:
+            expert = tl.load(ids_ptr + token * TOPK + j) - expert_start
+            weight = tl.load(weights_ptr + token * TOPK + j)
+        else:
+            expert = tl.sum(tl.where(slots[None, :] == j, ids, 0)) - expert_start
+            weight = tl.sum(tl.where(slots[None, :] == j, weights, 0.0))
         mine = (expert >= 0) & (expert < num_local)
         # Another rank's expert reads nothing: its reduction length is 0.
         length = tl.where(mine, INTER, 0)

@@ -71,6 +71,30 @@ def test_fused_experts_match_the_reference(tokens: int, ep: bool, shared: bool) 
         assert torch.allclose(routing.weights.cpu(), weights, atol=1e-6)
 
 
+@pytest.mark.parametrize(("tokens", "routed", "pdl"), [(1, True, True), (2, True, False), (1, False, True)])
+def test_the_small_path_launch_plans_match_the_reference(tokens: int, routed: bool, pdl: bool) -> None:
+    """Routing in one program a token (choose_kernel) or in every program, with and without PDL (Hopper
+    and later), at a shared expert's shape too."""
+    from tandem.engine.moe.fused import FusedMoE, SmallBlocks
+
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    g = torch.Generator(device=DEVICE).manual_seed(10 + tokens)
+    spec = MoESpec(E, K, INTER, True, (True,))
+    shard = ExpertShard.of(spec, 0, 1, expert_parallel=False)
+    w13 = (torch.randn(E, 2 * INTER, H, generator=g, device=DEVICE) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, INTER, generator=g, device=DEVICE) / INTER**0.5).bfloat16()
+    x = torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16()
+    logits = torch.randn(tokens, E, generator=g, device=DEVICE).bfloat16()
+    extra = torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16()
+    gate = torch.randn(tokens, 1, generator=g, device=DEVICE).bfloat16()
+    fused = FusedMoE(spec, shard, H)
+    got = fused._small(x, logits, w13, w2, extra, gate, pdl, SmallBlocks(routed=routed))
+    weights, ids = reference_choice(logits.cpu(), K, renormalize=True)
+    want = reference_experts(x, weights, ids, w13, w2) + torch.sigmoid(gate.float()) * extra.float()
+    assert relative_rms(got, want) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def moe_engine(gpu_model_dir: Callable[[str], Path]) -> Engine:
     config = resolve_engine_config(

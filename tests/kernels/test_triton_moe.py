@@ -1,8 +1,9 @@
 """The fused MoE kernels (engine/moe/fused.py) against the plain per-expert reference, in Triton's CPU
-interpreter: the one- and two-token path and the grouped path (routing, grouping by expert, both GEMMs,
-the top-k sum), with router logits full of ties, experts that get no token, top-k renormalized or not, a
-shared expert, a tensor-parallel shard and an expert-parallel one; and the grouped path's schedule itself
-(each local pair once, in pair order within its expert, blocks padded with the sentinel).
+interpreter: the one- and two-token path (both its launch plans) and the grouped path (routing, grouping
+by expert, both GEMMs, the top-k sum), with router logits full of ties, experts that get no token, top-k
+renormalized or not, a shared expert, a tensor-parallel shard and an expert-parallel one; and the grouped
+path's schedule itself (each local pair once, in pair order within its expert, blocks padded with the
+sentinel).
 
 The grouped GEMMs run in float16 here: the interpreter of Triton 3.9 multiplies bfloat16 tiles in
 tl.dot wrongly (its numpy emulation), so bf16 is covered on the GPU (tests/gpu/test_moe_gpu.py); the
@@ -84,7 +85,7 @@ CASES: list[dict[str, Any]] = [
 ]
 SCRIPT = """
 import json, sys, torch
-from tandem.engine.moe.fused import SMALL_MAX_TOKENS, FusedMoE
+from tandem.engine.moe.fused import SMALL_MAX_TOKENS, FusedMoE, SmallBlocks
 from tandem.engine.moe.reference import reference_choice, reference_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 
@@ -117,7 +118,10 @@ for c in json.loads(sys.argv[1]):
     # Relative to the output's scale: the kernels round the activation and each pair's row once.
     result = {"err": float((got - want).abs().max() / want.abs().max()), "small": small,
               "empty_experts": E - len(set(ids.flatten().tolist()))}
-    if not small:
+    if small:  # the other launch plan: every up and down program routes its token itself
+        own = fused._small(x, logits, mine13, mine2, shared, gate, blocks=SmallBlocks(routed=False))
+        result["err_unrouted"] = float((own.float() - want).abs().max() / want.abs().max())
+    else:
         r = fused.route(logits)
         result["ids"] = torch.equal(r.ids.long(), ids)
         result["weights"] = float((r.weights - weights).abs().max())
@@ -145,6 +149,8 @@ def test_fused_moe_matches_the_reference_in_the_interpreter(
     for case, r in zip(CASES, results):
         bound = 2e-2 if case.get("dtype", "bfloat16" if case["T"] <= 2 else "float16") == "bfloat16" else 4e-3
         assert r["err"] < bound, (case, r)
+        if r["small"]:
+            assert r["err_unrouted"] < bound, (case, r)
         if not r["small"]:
             assert r["ids"] and r["weights"] < 1e-6 and r["layout"], (case, r)
     assert results[0]["empty_experts"] >= 6 and results[4]["empty_experts"] >= 1  # experts with no token
