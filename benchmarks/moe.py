@@ -197,8 +197,10 @@ def gemm_timings(llm: LLM, ceilings: dict[str, float], batch: int, sweep: bool) 
 
 def layer_timing(llm: LLM, ceilings: dict[str, float], batch: int) -> dict[str, Any]:
     """Layer 0's whole MoE block (router, top-k, experts, sum) at `batch` tokens in CUDA-graph replays,
-    against the bytes it must read: the router and every expert its tokens chose. At batch 1 this is
-    the share of the batch-1 step that the routed experts take (the rest is attention, norms, LM head)."""
+    with the kernel plan of the decode graph of that batch (at batch 1: the router as a GEMV, every
+    kernel launched with PDL), against the bytes it must read: the router and every expert its tokens
+    chose. At batch 1 this is the share of the batch-1 step that the routed experts take (the rest is
+    attention, norms, LM head)."""
     from tandem.engine.moe.layer import MoE
 
     engine = llm.runtime.engine
@@ -212,12 +214,14 @@ def layer_timing(llm: LLM, ceilings: dict[str, float], batch: int) -> dict[str, 
     x = torch.randn(batch, c.hidden_size, generator=gen, device=device).to(engine.config.dtype)
     with torch.inference_mode():
         ids = torch.topk(layer.gate(x).float(), c.moe.top_k, dim=-1).indices
-        us = _timer(device)(lambda i: layer(x), 50)
+        plan = engine.planner.decode(batch)
+        us = _timer(device)(lambda i: layer(x, plan), 50)
     cost = expert_gemm_cost(c, ids)
     router_bytes = c.moe.num_experts * c.hidden_size * 2
     bound_us = (cost["bytes"] + router_bytes) / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e6
-    return {"batch": batch, "us": us, "bw_bound_us": bound_us, "fraction_of_bw_bound": bound_us / us,
-            "experts_hit": cost["experts_hit"], "per_step_ms": us * c.num_layers / 1e3}  # fmt: skip
+    return {"batch": batch, "plan": dataclasses.asdict(plan), "us": us, "bw_bound_us": bound_us,
+            "fraction_of_bw_bound": bound_us / us, "experts_hit": cost["experts_hit"],
+            "per_step_ms": us * c.num_layers / 1e3}  # fmt: skip
 
 
 def decode_timings(llm: LLM, steps: int) -> list[dict[str, Any]]:
