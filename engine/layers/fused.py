@@ -16,7 +16,7 @@ Never construct this on CPU: it imports flashinfer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from tandem.engine.config import RopeConfig
 from tandem.engine.kernel_plan import EAGER, KernelPlan
+from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.sampler import RaceSample
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ DecodeRopeAttention = Callable[..., torch.Tensor]
 SmallAct = Callable[..., torch.Tensor]
 # flashinfer's tinygemm2: (x, weight, out, bias or None, use_pdl) -> None, out = x weight^T (+ bias).
 SmallGemm = Callable[..., None]
-# triton_gemv.gemv: (x [T, K], weight [N, K], bias or None, *, pdl) -> x weight^T (+ bias) [T, N].
+# triton_gemv.gemv: (x [T, K], weight [N, K], bias or None, *, pdl, delta) -> x weight^T (+ bias) [T, N].
 Gemv = Callable[..., torch.Tensor]
 
 
@@ -54,17 +55,27 @@ class TritonKernels:
     silu_and_mul: SmallAct
     gemv: Gemv
     gemv_fits: Callable[[torch.Tensor], bool]
+    gemv_takes_delta: Callable[[torch.Tensor, Sequence[int]], bool]
 
     @classmethod
     def load(cls) -> TritonKernels:
         from tandem.engine.attention.triton_decode import decode_rope_attention
         from tandem.engine.layers.qk_norm_rope import qk_norm_rope
         from tandem.engine.layers.triton_act import silu_and_mul
-        from tandem.engine.layers.triton_gemv import fits, gemv
+        from tandem.engine.layers.triton_gemv import fits, gemv, takes_delta
         from tandem.engine.layers.triton_norm import add_rmsnorm
         from tandem.engine.sampling_race import race_sample
 
-        return cls(qk_norm_rope, race_sample, decode_rope_attention, add_rmsnorm, silu_and_mul, gemv, fits)
+        return cls(
+            qk_norm_rope,
+            race_sample,
+            decode_rope_attention,
+            add_rmsnorm,
+            silu_and_mul,
+            gemv,
+            fits,
+            takes_delta,
+        )
 
 
 class FusedKernels:
@@ -157,14 +168,28 @@ class FusedKernels:
         to 16,384 (Llama-3.1-8B's down projection, the widest measured, is 14,336); others keep cuBLAS."""
         return self.triton is not None and self.triton.gemv_fits(weight)
 
+    def gemv_folds(self, x: torch.Tensor, weight: torch.Tensor, slice_offsets: Sequence[int]) -> bool:
+        """Whether `gemv` of x by this weight runs the Triton GEMV and can add a low-rank delta whose
+        slices start at these offsets."""
+        return (
+            self.triton is not None and _gemv_takes(x) and self.triton.gemv_takes_delta(weight, slice_offsets)
+        )
+
     def gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: KernelPlan,
+        delta: GemvDelta | None = None,
     ) -> torch.Tensor:
-        """x weight^T (+ bias) as the Triton GEMV, for a weight that `gemv_fits`, under a plan with `gemv`."""
+        """x weight^T (+ bias) (+ a delta, where `gemv_folds`) as the Triton GEMV, for a weight that
+        `gemv_fits`, under a plan with `gemv`."""
         assert self.triton is not None
-        if x.dim() != 2 or x.stride(1) != 1:
+        if not _gemv_takes(x):
+            assert delta is None
             return torch.nn.functional.linear(x, weight, bias)
-        return self.triton.gemv(x, weight, bias, pdl=plan.pdl)
+        return self.triton.gemv(x, weight, bias, pdl=plan.pdl, delta=delta)
 
     def tinygemm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan
@@ -271,3 +296,8 @@ def tinygemm2() -> SmallGemm | None:
             module.tinygemm2_op(x, weight, bias, out, use_pdl)
 
     return run
+
+
+def _gemv_takes(x: torch.Tensor) -> bool:
+    """The Triton GEMV's input: rows that may be strided, with a contiguous last dim."""
+    return x.dim() == 2 and x.stride(1) == 1

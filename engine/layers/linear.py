@@ -17,6 +17,7 @@ from torch import nn
 from tandem.engine.distributed import TPGroup
 from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.layers.fused import FusedKernels
+from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.layers.source import TensorSource, check_shape
 
 # (x, weight, bias or None) -> x weight^T (+ bias).
@@ -26,7 +27,14 @@ MatMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 class OutputDelta(Protocol):
     """What a layer adds to its own output for the rows of a batch (engine/lora/delta.py's `LoraDelta`)."""
 
+    slice_offsets: tuple[int, ...]  # where each slice of the delta starts in the layer's output
+
     def add(self, x: torch.Tensor, out: torch.Tensor, plan: KernelPlan) -> None: ...
+
+    def fold(self, x: torch.Tensor, plan: KernelPlan) -> GemvDelta | None:
+        """The delta as the Triton GEMV's epilogue adds it (its first half run now, on x), or None where
+        this delta is not folded: then the layer calls `add` after its GEMM."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -54,21 +62,31 @@ def head_shard(num_heads: int, head_dim: int, tp: TPGroup) -> OutputShard:
     return OutputShard(num_heads * head_dim, start * head_dim, per_rank * head_dim)
 
 
-def small_matmul(
+def matmul_with_delta(
     layer: ColumnParallelLinear | RowParallelLinear,
     x: torch.Tensor,
     bias: torch.Tensor | None,
     plan: KernelPlan,
-) -> torch.Tensor | None:
-    """The layer's GEMM as the Triton GEMV or tinygemm where the plan and the weight's shape say so (the
-    GEMV first: its plans are the smaller graphs), else None: the layer's own matmul."""
-    if layer.kernels is None:
-        return None
-    if plan.gemv and layer.gemv_fits:
-        return layer.kernels.gemv(x, layer.weight, bias, plan)
-    if plan.tinygemm and layer.tinygemm_fits:
-        return layer.kernels.tinygemm(x, layer.weight, bias, plan)
-    return None
+) -> torch.Tensor:
+    """The layer's GEMM, plus its LoRA delta under a plan with `lora`. The GEMM is the Triton GEMV or
+    tinygemm where the plan and the weight's shape say so (the GEMV first: its plans are the smaller
+    graphs), else the layer's own matmul; the delta goes into the GEMV's epilogue where it folds, saving
+    a launch in one-row decode graphs."""
+    kernels = layer.kernels
+    delta = layer.lora if plan.lora else None
+    if kernels is not None and plan.gemv and layer.gemv_fits:
+        folds = delta is not None and kernels.gemv_folds(x, layer.weight, delta.slice_offsets)
+        folded = delta.fold(x, plan) if delta is not None and folds else None
+        out = kernels.gemv(x, layer.weight, bias, plan, folded)
+        if folded is not None:
+            return out
+    elif kernels is not None and plan.tinygemm and layer.tinygemm_fits:
+        out = kernels.tinygemm(x, layer.weight, bias, plan)
+    else:
+        out = layer.matmul(x, layer.weight, bias)
+    if delta is not None:
+        delta.add(x, out, plan)
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
@@ -116,12 +134,7 @@ class ColumnParallelLinear(nn.Module):
         target.data[offset : offset + shard.size].copy_(rows)
 
     def forward(self, x: torch.Tensor, plan: KernelPlan = EAGER) -> torch.Tensor:
-        out = small_matmul(self, x, self.bias, plan)
-        if out is None:
-            out = self.matmul(x, self.weight, self.bias)
-        if plan.lora and self.lora is not None:
-            self.lora.add(x, out, plan)
-        return out
+        return matmul_with_delta(self, x, self.bias, plan)
 
 
 class RowParallelLinear(nn.Module):
@@ -168,9 +181,5 @@ class RowParallelLinear(nn.Module):
         """`reduce=False` leaves this rank's partial sum, for a caller that adds more to it before the one
         all-reduce (an MoE layer's shared expert)."""
         bias = self.bias if self.tp.rank == 0 else None
-        out = small_matmul(self, x, bias, plan)
-        if out is None:
-            out = self.matmul(x, self.weight, bias)
-        if plan.lora and self.lora is not None:
-            self.lora.add(x, out, plan)
+        out = matmul_with_delta(self, x, bias, plan)
         return self.tp.all_reduce(out) if reduce else out

@@ -17,12 +17,14 @@ only on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.layers.pdl import pdl_launch
 
 # Weight elements one program holds: 32 KB of bf16, 64 registers a thread at 4 warps.
@@ -44,6 +46,21 @@ def gemv_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     BLOCK_N: tl.constexpr,
     BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    # The low-rank delta (low_rank.py), all None / 0 without one (DELTA False).
+    partial_ptr=None,
+    b_ptr=None,
+    slots_ptr=None,
+    slices_ptr=None,
+    stride_p_split=0,
+    stride_p_row=0,
+    stride_b_slot=0,
+    DELTA: tl.constexpr = False,
+    PIECES: tl.constexpr = 1,
+    R: tl.constexpr = 16,
+    R_PAD: tl.constexpr = 16,
+    SPLITS: tl.constexpr = 1,
+    SPLITS_PAD: tl.constexpr = 1,
+    ROWS_PAD: tl.constexpr = 1,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, K_PAD)
@@ -53,8 +70,22 @@ def gemv_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :], mask=w_mask, other=0.0)
     if BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if DELTA:
+        # The slice of the program's columns (the host checked that no program's columns straddle two)
+        # and every row's slot and B block: constants of the replay, so read before the wait too.
+        piece = 0
+        for j in tl.static_range(1, PIECES):
+            piece += (tl.program_id(0) * BLOCK_N >= tl.load(slices_ptr + 2 * j)).to(tl.int32)
+        rows = tl.arange(0, ROWS_PAD)
+        slots = tl.load(slots_ptr + rows, mask=rows < ROWS, other=-1)
+        rr = tl.arange(0, R_PAD)
+        b_at = (b_ptr + tl.maximum(slots, 0)[:, None, None].to(tl.int64) * stride_b_slot
+                + cols[None, :, None].to(tl.int64) * R + rr[None, None, :])  # fmt: skip
+        b_mask = (slots >= 0)[:, None, None] & col_mask[None, :, None] & (rr < R)[None, None, :]
+        b = tl.load(b_at, mask=b_mask, other=0.0).to(tl.float32)  # [ROWS_PAD, BLOCK_N, R_PAD]
     if PDL:
-        # Only the weight (a constant) is read before the wait, and nothing is written before it.
+        # Only constants are read before the wait (the weight, and the delta's B and slots), and nothing
+        # is written before it.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     w = w.to(tl.float32)
@@ -63,6 +94,16 @@ def gemv_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         acc = tl.sum(w * x[None, :], axis=1)
         if BIAS:
             acc += bias
+        if DELTA:
+            # The shrink's partial sums of this row's slice, all at once, then B times their sum.
+            splits = tl.arange(0, SPLITS_PAD)
+            p_at = partial_ptr + splits[:, None] * stride_p_split + r * stride_p_row + piece * R + rr[None, :]
+            p_mask = (splits < SPLITS)[:, None] & (rr < R)[None, :]
+            s = tl.sum(tl.load(p_at, mask=p_mask, other=0.0), axis=0)  # [R_PAD]
+            b_row = tl.sum(tl.where((rows == r)[:, None, None], b, 0.0), axis=0)  # [BLOCK_N, R_PAD]
+            # A row without a slot adds nothing: its partials were never written, so maybe not finite.
+            mine = tl.max(tl.where(rows == r, slots, -1)) >= 0
+            acc += tl.where(mine, tl.sum(b_row * s[None, :], axis=1), 0.0)
         tl.store(out_ptr + r * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -82,6 +123,13 @@ def fits(weight: torch.Tensor) -> bool:
     )
 
 
+def takes_delta(weight: torch.Tensor, slice_offsets: Sequence[int]) -> bool:
+    """Whether `gemv` can add a low-rank delta with these slices to this weight's outputs: no program's
+    columns may straddle two slices."""
+    block = block_n(weight.shape[1])
+    return all(offset % block == 0 for offset in slice_offsets)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -89,15 +137,37 @@ def gemv(
     *,
     num_warps: int = 4,
     pdl: bool = False,
+    delta: GemvDelta | None = None,
 ) -> torch.Tensor:
     """x [T, K] (rows may be strided, the last dim contiguous), weight [N, K] that `fits` -> x weight^T
-    (+ bias) [T, N]. T is compiled in: one program per row count."""
+    (+ bias) (+ `delta`, for a weight that `takes_delta` of its slices) [T, N]. T is compiled in: one
+    program per row count."""
     n, k = weight.shape
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k or not fits(weight):
         raise ValueError(f"needs [T, {k}] rows with a contiguous last dim and a weight that fits")
     rows = x.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = block_n(k)
+    extra: dict[str, Any] = {}
+    if delta is not None:
+        p = delta.partial
+        splits = p.shape[0]
+        extra = {
+            "partial_ptr": p,
+            "b_ptr": delta.b,
+            "slots_ptr": delta.token_slots,
+            "slices_ptr": delta.slices,
+            "stride_p_split": p.stride(0),
+            "stride_p_row": p.stride(1),
+            "stride_b_slot": delta.b.stride(0),
+            "DELTA": True,
+            "PIECES": delta.pieces,
+            "R": delta.rank,
+            "R_PAD": max(16, triton.next_power_of_2(delta.rank)),
+            "SPLITS": splits,
+            "SPLITS_PAD": triton.next_power_of_2(splits),
+            "ROWS_PAD": triton.next_power_of_2(rows),
+        }
     launch: Any = gemv_kernel[(triton.cdiv(n, block),)]
     launch(
         x,
@@ -114,5 +184,6 @@ def gemv(
         BIAS=bias is not None,
         num_warps=num_warps,
         **pdl_launch(pdl),
+        **extra,
     )
     return out

@@ -111,6 +111,9 @@ class LoraBatchBuffers:
     ) -> int:
         """Write the arrays into `raw` (the buffer's layout); return how many int32s a copy must send."""
         raw[: len(token_slots)] = token_slots
+        # No slot for the rows past the batch (a graph's padding), which a GEMV's folded delta reads; the
+        # copy sends these words anyway, being below the tiles.
+        raw[len(token_slots) : self.capacity] = -1
         start = _aligned4(self.capacity)
         raw[start : start + len(order)] = order
         at = self._tiles_at

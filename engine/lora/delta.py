@@ -8,7 +8,8 @@ decode graphs' fixed buffers while they are captured and replayed, the eager one
 `TorchLoraOps` is the reference (CPU, and CUDA without Triton): a gathered product over every slot with a
 one-hot mask of each token's slot, so it is a fixed sequence of tensor ops whatever the batch (it runs in
 CUDA graphs too), and never one matmul per adapter in a Python loop. On CUDA with Triton the products are
-`triton_lora.py`'s two batched kernels.
+`triton_lora.py`'s two batched kernels; in a one-row decode graph whose GEMM is the Triton GEMV, the
+second of them is folded into the GEMV's epilogue (`fold`, engine/layers/low_rank.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 import torch
 
 from tandem.engine.kernel_plan import KernelPlan
+from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.lora.batch import LoraBatchBuffers
 from tandem.engine.lora.layout import LinearLayout
 
@@ -32,6 +34,11 @@ class LoraContext:
 class LoraOps(Protocol):
     def add(self, x: torch.Tensor, out: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> None:
         """out += the delta of each row's slot applied to x (rows without a slot unchanged)."""
+        ...
+
+    def fold(self, x: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> GemvDelta | None:
+        """x's shrink, launched now, as the Triton GEMV's epilogue takes it; None where these ops do not
+        fold (the layer then calls `add`)."""
         ...
 
 
@@ -51,6 +58,7 @@ class LoraDelta:
         # (offset, size) of each slice in the layer's output, for the kernels (read as constants).
         pairs = [v for s in layout.slices for v in (s.offset, s.size)]
         self.slices = torch.tensor(pairs, dtype=torch.int32, device=a.device)
+        self.slice_offsets = tuple(s.offset for s in layout.slices)
         self.max_slice = max(s.size for s in layout.slices)
 
     @property
@@ -60,9 +68,15 @@ class LoraDelta:
     def add(self, x: torch.Tensor, out: torch.Tensor, plan: KernelPlan) -> None:
         self.ops.add(x, out, self, plan)
 
+    def fold(self, x: torch.Tensor, plan: KernelPlan) -> GemvDelta | None:
+        return self.ops.fold(x, self, plan)
+
 
 class TorchLoraOps:
     """The reference: x against every slot's A, masked to each token's own slot, then against every B."""
+
+    def fold(self, x: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> GemvDelta | None:
+        return None
 
     def add(self, x: torch.Tensor, out: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> None:
         tokens = x.shape[0]

@@ -17,6 +17,7 @@ Triton ships with CUDA builds of torch; imported only where it is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.kernel_plan import KernelPlan
+from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.layers.pdl import pdl_launch
 from tandem.engine.lora.batch import TILE, max_tiles
 from tandem.engine.lora.delta import LoraDelta
@@ -33,6 +35,7 @@ from tandem.engine.lora.delta import LoraDelta
 _SHRINK_BLOCK_K = 256
 _LOOP_BLOCK_K = 128
 _MAX_BLOCK_R = 64
+_A_ELEMENTS = 16384  # the one-stretch shrink's A block: 32 KB of bf16, 64 registers a thread at 4 warps
 _PROGRAMS = 256  # about two programs per SM of an H200 (132 SMs): the grid size the plans aim at
 
 
@@ -137,6 +140,7 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -162,8 +166,12 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
             tl.extra.cuda.gdc_wait()
         if work:
             s = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
-            for split in range(splits):
-                s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
+            if SPLITS > 0:  # the count compiled in: every partial's load may be in flight at once
+                for split in tl.static_range(SPLITS):
+                    s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
+            else:
+                for split in range(splits):
+                    s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
             _expand_block(s, b, y_ptr, tokens, row_mask, offset + n, n < size, stride_y)
     else:
         if PDL:
@@ -182,14 +190,33 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
                 _expand_block(s, b, y_ptr, tokens, row_mask, offset + n, n_mask, stride_y)
 
 
-def shrink_plan(tokens: int, k: int, slots: int) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class LoraLaunch:
+    """The small-batch launches' choices (up to `TILE` tokens, the decode graphs that launch with PDL):
+    `stretch`, the input features one shrink program holds (so the expand sums K / stretch partials);
+    `unrolled_sums`, whether the expand's sum over them is unrolled with their count compiled in; and
+    `fold`, whether the expand runs inside the GEMV where the layer's GEMM is the Triton GEMV."""
+
+    stretch: int = _SHRINK_BLOCK_K
+    unrolled_sums: bool = False
+    fold: bool = True  # hand the shrink's partials to the Triton GEMV's epilogue where the layer runs one
+
+    def block_r(self, nr: int) -> int:
+        """The shrink's rows of A a program: all of a slot's (up to 64) while its A block stays within
+        `_A_ELEMENTS`, fewer for longer stretches."""
+        return min(
+            _MAX_BLOCK_R, max(16, int(triton.next_power_of_2(nr))), max(16, _A_ELEMENTS // self.stretch)
+        )
+
+
+def shrink_plan(tokens: int, k: int, slots: int, stretch: int = _SHRINK_BLOCK_K) -> tuple[int, int, int]:
     """(splits, BLOCK_K, iterations) for a shrink of `tokens` rows over an input of `k` features. Up to 16
-    tokens (decode graphs whose kernels launch with PDL) one 256-wide stretch per program, held before the
-    wait. More tokens loop over 128-wide blocks, the input split so the grid is about two programs an SM
-    (a power of two, fewer the more tiles there are, so the partial sums stay small). Splits and
-    iterations are runtime arguments: no batch size builds a kernel of its own."""
+    tokens (decode graphs whose kernels launch with PDL) one `stretch` of the input per program, held
+    before the wait. More tokens loop over 128-wide blocks, the input split so the grid is about two
+    programs an SM (a power of two, fewer the more tiles there are, so the partial sums stay small).
+    Splits and iterations are runtime arguments: no batch size builds a kernel of its own."""
     if tokens <= TILE:
-        return triton.cdiv(k, _SHRINK_BLOCK_K), _SHRINK_BLOCK_K, 1
+        return triton.cdiv(k, stretch), stretch, 1
     tiles = max_tiles(tokens, slots)
     splits = max(1, min(triton.cdiv(k, _SHRINK_BLOCK_K), _PROGRAMS // tiles))
     splits = 1 << (splits.bit_length() - 1)
@@ -210,20 +237,35 @@ def expand_plan(tokens: int, slots: int, widest: int, slices: int) -> tuple[int,
 
 
 class TritonLoraOps:
-    """The two launches of a layer's delta on CUDA."""
+    """The two launches of a layer's delta on CUDA, or the shrink alone with the expand folded into the
+    layer's GEMV."""
+
+    def __init__(self, launch: LoraLaunch | None = None) -> None:
+        self.launch = launch or LoraLaunch()
 
     def add(self, x: torch.Tensor, out: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> None:
-        tokens, k = x.shape
-        a, b, batch = delta.a, delta.b, delta.batch
-        slots, nr = a.shape[0], a.shape[1]
         if x.stride(1) != 1:
             x = x.contiguous()
-        splits, block_k, iters = shrink_plan(tokens, k, slots)
-        pdl = plan.pdl or plan.lora_pdl
-        grid_tiles = max_tiles(tokens, slots)
-        block_r = min(_MAX_BLOCK_R, max(16, int(triton.next_power_of_2(nr))))
+        self.expand(self.shrink(x, delta, plan), out, delta, plan)
+
+    def fold(self, x: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> GemvDelta | None:
+        if not self.launch.fold or x.shape[0] > TILE:
+            return None
+        partial = self.shrink(x, delta, plan)
+        return GemvDelta(partial, delta.b, delta.batch.token_slots, delta.slices, delta.rank)
+
+    def shrink(self, x: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> torch.Tensor:
+        """The float32 partial sums [splits, tokens, slices x R] of x A^T for each token's slot."""
+        tokens, k = x.shape
+        a, batch = delta.a, delta.batch
+        slots, nr = a.shape[0], a.shape[1]
+        small = tokens <= TILE
+        splits, block_k, iters = shrink_plan(tokens, k, slots, self.launch.stretch)
+        block_r = (
+            self.launch.block_r(nr) if small else min(_MAX_BLOCK_R, max(16, int(triton.next_power_of_2(nr))))
+        )
         partial = torch.empty(splits, tokens, nr, dtype=torch.float32, device=x.device)
-        shrink: Any = lora_shrink_kernel[(grid_tiles, splits, triton.cdiv(nr, block_r))]
+        shrink: Any = lora_shrink_kernel[(max_tiles(tokens, slots), splits, triton.cdiv(nr, block_r))]
         shrink(
             x,
             a,
@@ -240,14 +282,22 @@ class TritonLoraOps:
             TILE=TILE,
             BLOCK_R=block_r,
             BLOCK_K=block_k,
-            ONE_STRETCH=tokens <= TILE,
+            ONE_STRETCH=small,
             num_warps=4,
-            **pdl_launch(pdl),
+            **pdl_launch(plan.pdl or plan.lora_pdl),
         )
+        return partial
+
+    def expand(self, partial: torch.Tensor, out: torch.Tensor, delta: LoraDelta, plan: KernelPlan) -> None:
+        """out += the partials' sum times each token's slot's B, scaled (B holds the scale)."""
+        splits, tokens = partial.shape[0], partial.shape[1]
+        b, batch = delta.b, delta.batch
+        slots = delta.a.shape[0]
+        small = tokens <= TILE
         r = delta.rank
         pieces = len(delta.layout.slices)
         block_n, steps, groups = expand_plan(tokens, slots, delta.max_slice, pieces)
-        expand: Any = lora_expand_kernel[(grid_tiles, groups, pieces)]
+        expand: Any = lora_expand_kernel[(max_tiles(tokens, slots), groups, pieces)]
         expand(
             partial,
             b,
@@ -265,7 +315,8 @@ class TritonLoraOps:
             BLOCK_R=max(16, int(triton.next_power_of_2(r))),
             TILE=TILE,
             BLOCK_N=block_n,
-            ONE_BLOCK=tokens <= TILE,
+            ONE_BLOCK=small,
+            SPLITS=splits if small and self.launch.unrolled_sums else 0,
             num_warps=4,
-            **pdl_launch(pdl),
+            **pdl_launch(plan.pdl or plan.lora_pdl),
         )

@@ -1,7 +1,8 @@
 """LoRA on the GPU: the batched Triton kernels against a per-row PyTorch reference in bfloat16 (Llama-3.1-8B
 layer shapes, ranks 16 and 64, one row to prefill sizes, slots mixed with base rows, with and without PDL),
-and a LoRA model under every graph (decode graphs with and without the deltas, piecewise graphs with them)
-giving the eager run's greedy tokens (near-ties within bf16 rounding excepted; see conftest)."""
+the GEMV with a delta folded in (one-row decode graphs), and a LoRA model under every graph (decode
+graphs with and without the deltas, piecewise graphs with them) giving the eager run's greedy tokens
+(near-ties within bf16 rounding excepted; see conftest)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,51 @@ def test_kernels_match_a_per_row_reference(name: str, k: int, widths: tuple[int,
             err = ((got.float() - want).abs().max() / want.abs().max()).item()
             # bf16 output rounding plus the shrink's bf16 hand-off to the expand.
             assert err < 2e-2, (name, rank, lens[:3], pdl, err)
+
+
+@pytest.mark.parametrize("name,k,widths", LAYERS, ids=[layer[0] for layer in LAYERS])
+def test_the_gemv_with_the_delta_folded_in_matches_the_reference(
+    name: str, k: int, widths: tuple[int, ...]
+) -> None:
+    """One-row decode graphs fold the expand into the Triton GEMV (engine/layers/low_rank.py): one row of
+    an adapter, and three rows with a base row between two adapters, with and without PDL, in a graph."""
+    from tandem.engine.kernel_plan import KernelPlan
+    from tandem.engine.layers.triton_gemv import gemv, takes_delta
+    from tandem.engine.lora.batch import LoraBatchBuffers
+    from tandem.engine.lora.delta import LoraContext, LoraDelta
+    from tandem.engine.lora.layout import LinearLayout, LoraSlice
+    from tandem.engine.lora.triton_lora import TritonLoraOps
+
+    device, slots, rank = torch.device("cuda"), 8, 16
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    pieces = tuple(LoraSlice(f"p{i}", o, w, 0) for i, (o, w) in enumerate(zip(offsets, widths)))
+    layout = LinearLayout(0, len(widths) == 1, pieces, k, 0, sum(widths), rank, 0, 0)
+    g = torch.Generator(device=device).manual_seed(k)
+    w = (torch.randn(sum(widths), k, generator=g, device=device) / k**0.5).bfloat16()
+    a = (torch.randn(slots, layout.a_rows, k, generator=g, device=device) / k**0.5).bfloat16()
+    b = (torch.randn(slots, sum(widths), rank, generator=g, device=device) / rank**0.5).bfloat16()
+    assert takes_delta(w, offsets)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    for row_slots in ([3], [5, -1, 0]):
+        x = torch.randn(len(row_slots), k, generator=g, device=device).bfloat16()
+        buffers = LoraBatchBuffers(16, slots, device)
+        buffers.write(np.array(row_slots, dtype=np.int32), np.ones(len(row_slots), dtype=np.int32))
+        delta = LoraDelta(a, b, layout, LoraContext(buffers), TritonLoraOps())
+        base = gemv(x, w)
+        want = _reference(x, base, a, b, np.array(row_slots), list(zip(offsets, widths)), rank)
+        for pdl in (False, True) if hopper else (False,):
+            plan = KernelPlan(rows=len(row_slots), gemv=True, lora=True, pdl=pdl)
+            out: list[torch.Tensor] = []
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out.append(gemv(x, w, pdl=pdl, delta=delta.fold(x, plan)))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = out[0]
+            base_rows = torch.tensor([s < 0 for s in row_slots], device=device)
+            assert torch.equal(got[base_rows], base[base_rows]), "a base row changed"
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-2, (name, row_slots, pdl, err)
 
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
