@@ -7,9 +7,8 @@ layer's input the output before it. 32 layers with their own weights are capture
 `us_per_layer` is a replay over 32. Rows:
 
 - `base`: the GEMVs alone;
-- `lora`, with the shrink's `stretch` (input features a program, so the expand sums K / stretch partials),
-  `unrolled_sums` (the expand's sum over them unrolled, their count compiled in) and `fold` (the expand
-  inside the GEMV's epilogue: one launch fewer a layer);
+- `lora`, with the shrink's `stretch` (input features a program, so the expand sums K / stretch partials)
+  and `fold` (the expand inside the GEMV's epilogue: one launch fewer a linear layer);
 - `shrink_only`: the engine's shrink without its expand (wrong output: what an expand folded into the
   GEMV could at best save).
 
@@ -40,8 +39,7 @@ HIDDEN, INTER, Q, KV, LAYERS, RANK, SLOTS = 4096, 14336, 4096, 1024, 32, 16, 8
 # (input features, output slices) of each linear layer of a Llama layer, in order.
 LINEARS = [(HIDDEN, (Q, KV, KV)), (Q, (HIDDEN,)), (HIDDEN, (INTER, INTER)), (INTER, (HIDDEN,))]
 PLAN = KernelPlan(rows=1, pdl=True, gemv=True, lora=True, lora_pdl=True)
-VARIANTS = [LoraLaunch(s, unrolled, fold=False) for s in (256, 1024) for unrolled in (False, True)]
-VARIANTS += [LoraLaunch(stretch, fold=True) for stretch in (256, 512, 1024)]
+VARIANTS = [LoraLaunch(stretch, fold) for fold in (False, True) for stretch in (256, 512, 1024)]
 
 
 class Chain:
@@ -99,9 +97,8 @@ def main() -> None:
             got = chain.layer(0, ops).float()
             err = float((got - want).abs().max() / want.abs().max())
             us = chain.us(ops) if err < 1e-2 else float("inf")
-            rows.append({"variant": "lora", "stretch": launch.stretch, "unrolled_sums": launch.unrolled_sums,
-                         "fold": launch.fold, "us_per_layer": us, "over_base_us": us - base_us,
-                         "rel_err": err})  # fmt: skip
+            rows.append({"variant": "lora", "stretch": launch.stretch, "fold": launch.fold,
+                         "us_per_layer": us, "over_base_us": us - base_us, "rel_err": err})  # fmt: skip
         us = chain.us(TritonLoraOps(LoraLaunch(fold=False)), expand=False)
         rows.append({"variant": "shrink_only", "us_per_layer": us, "over_base_us": us - base_us})
     device = torch.device("cuda")
@@ -109,7 +106,7 @@ def main() -> None:
               "tokens": 1, "plan": str(PLAN)}  # fmt: skip
     record = {"device": device_info(device), "commit": git_commit(), "config": config, "rows": rows}
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    columns = ["variant", "stretch", "unrolled_sums", "fold", "us_per_layer", "over_base_us", "rel_err"]
+    columns = ["variant", "stretch", "fold", "us_per_layer", "over_base_us", "rel_err"]
     print_table(rows, columns)
 
 

@@ -140,7 +140,6 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
     TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -166,12 +165,8 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
             tl.extra.cuda.gdc_wait()
         if work:
             s = tl.zeros((TILE, BLOCK_R), dtype=tl.float32)
-            if SPLITS > 0:  # the count compiled in: every partial's load may be in flight at once
-                for split in tl.static_range(SPLITS):
-                    s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
-            else:
-                for split in range(splits):
-                    s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
+            for split in range(splits):
+                s += tl.load(s_rows + split * stride_s_split, mask=s_mask, other=0.0)
             _expand_block(s, b, y_ptr, tokens, row_mask, offset + n, n < size, stride_y)
     else:
         if PDL:
@@ -193,12 +188,10 @@ def lora_expand_kernel(  # type: ignore[no-untyped-def]  # pointers and constexp
 @dataclass(frozen=True)
 class LoraLaunch:
     """The small-batch launches' choices (up to `TILE` tokens, the decode graphs that launch with PDL):
-    `stretch`, the input features one shrink program holds (so the expand sums K / stretch partials);
-    `unrolled_sums`, whether the expand's sum over them is unrolled with their count compiled in; and
-    `fold`, whether the expand runs inside the GEMV where the layer's GEMM is the Triton GEMV."""
+    `stretch`, the input features one shrink program holds (so the expand sums K / stretch partials),
+    and `fold`, whether the expand runs inside the GEMV where the layer's GEMM is the Triton GEMV."""
 
     stretch: int = _SHRINK_BLOCK_K
-    unrolled_sums: bool = False
     fold: bool = True  # hand the shrink's partials to the Triton GEMV's epilogue where the layer runs one
 
     def block_r(self, nr: int) -> int:
@@ -316,7 +309,6 @@ class TritonLoraOps:
             TILE=TILE,
             BLOCK_N=block_n,
             ONE_BLOCK=small,
-            SPLITS=splits if small and self.launch.unrolled_sums else 0,
             num_warps=4,
             **pdl_launch(plan.pdl or plan.lora_pdl),
         )
