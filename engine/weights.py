@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine.layers.source import SafetensorsSource, TensorSource
 from tandem.engine.models.common import CausalLM
+from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.quant.fp8_format import KV_SCALE_SUFFIXES, SCALE_SUFFIXES, DequantSource, Fp8Checkpoint
 
 # Checkpoint entries that carry no weights of ours (recomputed buffers, a tied head's copy).
@@ -86,13 +87,17 @@ def load_weights(
             source: TensorSource = plain
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:
-                if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                if isinstance(module, MoEExperts):
+                    # Experts are read dequantized into the compute dtype on every device.
+                    module.check_fp8_split(fp8.block, shard_id, name)
+                elif not isinstance(module, ColumnParallelLinear | RowParallelLinear):
                     raise ValueError(
-                        f"FP8 tensor {name!r} is not a linear layer's weight; tandem keeps it 16-bit"
+                        f"FP8 tensor {name!r} is neither a linear layer's nor an expert's weight; "
+                        "tandem keeps it 16-bit"
                     )
-                source = DequantSource(plain, scale, fp8.block)
-                if not any(m is module for m in report.fp8_modules):
+                elif not any(m is module for m in report.fp8_modules):
                     report.fp8_modules.append(module)
+                source = DequantSource(plain, scale, fp8.block)
             module.load(source, shard_id, is_bias=is_bias)
             loaded.add(ours[name])
             if progress is not None:

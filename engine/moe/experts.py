@@ -70,6 +70,28 @@ class MoEExperts(nn.Module):
             for k, kind in enumerate(_KINDS)
         }
 
+    def check_fp8_split(self, block: tuple[int, int] | None, shard_id: int, name: str) -> None:
+        """Raise ValueError, naming the fix, where this rank's slice of a block-scaled FP8 expert weight
+        would cut a scale block: every rank must hold whole blocks of the intermediate dimension (the
+        rows of gate/up, the columns of down), as a kernel that reads FP8 weights with their block
+        scales needs. Per-channel and per-tensor scales split anywhere."""
+        if shard_id < 0:
+            raise ValueError(
+                f"FP8 tensor {name!r}: FP8 experts load from the per-expert layout "
+                "(experts.N.{gate,up,down}_proj.weight with weight_scale_inv), not the fused one"
+            )
+        if block is None:
+            return
+        s, full = self.shard, self.spec.expert_intermediate_size
+        step = block[1] if shard_id % 3 == 2 else block[0]
+        end = s.inter_start + s.inter_size
+        if s.inter_start % step or (end % step and end != full):
+            raise ValueError(
+                f"FP8 tensor {name!r}: this rank's rows [{s.inter_start}, {end}) of the experts' "
+                f"intermediate size {full} cut its {step}-wide scale blocks; pick a tp_size that "
+                f"splits {full} into multiples of {step}, or enable_expert_parallel=True"
+            )
+
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         s, full, hidden = self.shard, self.spec.expert_intermediate_size, self.hidden_size
         lo, size, experts = s.inter_start, s.inter_size, self.spec.num_experts
