@@ -25,6 +25,7 @@ import torch
 from tandem.engine.config import RopeConfig
 from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.layers.low_rank import GemvDelta
+from tandem.engine.layers.weight_scales import WeightScales
 from tandem.engine.sampler import RaceSample
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ DecodeRopeAttention = Callable[..., torch.Tensor]
 SmallAct = Callable[..., torch.Tensor]
 # flashinfer's tinygemm2: (x, weight, out, bias or None, use_pdl) -> None, out = x weight^T (+ bias).
 SmallGemm = Callable[..., None]
-# triton_gemv.gemv: (x [T, K], weight [N, K], bias or None, *, pdl, delta) -> x weight^T (+ bias) [T, N].
+# triton_gemv.gemv: (x [T, K], weight [N, K], bias or None, *, pdl, delta, scales) -> x weight^T (+ bias)
+# [T, N].
 Gemv = Callable[..., torch.Tensor]
 
 
@@ -54,7 +56,7 @@ class TritonKernels:
     add_rmsnorm: SmallNorm
     silu_and_mul: SmallAct
     gemv: Gemv
-    gemv_fits: Callable[[torch.Tensor], bool]
+    gemv_fits: Callable[..., bool]  # (weight, scales or None) -> bool
     gemv_takes_delta: Callable[[torch.Tensor, Sequence[int]], bool]
 
     @classmethod
@@ -163,10 +165,11 @@ class FusedKernels:
             and weight.is_contiguous()
         )
 
-    def gemv_fits(self, weight: torch.Tensor) -> bool:
-        """Whether a [N, K] weight is one the Triton GEMV (triton_gemv.py) takes: 16-bit, contiguous, K up
-        to 16,384 (Llama-3.1-8B's down projection, the widest measured, is 14,336); others keep cuBLAS."""
-        return self.triton is not None and self.triton.gemv_fits(weight)
+    def gemv_fits(self, weight: torch.Tensor, scales: WeightScales | None = None) -> bool:
+        """Whether a [N, K] weight is one the Triton GEMV (triton_gemv.py) takes: contiguous, K up to
+        16,384 (Llama-3.1-8B's down projection, the widest measured, is 14,336), 16-bit or FP8 with its
+        `scales`; others keep their library GEMM."""
+        return self.triton is not None and self.triton.gemv_fits(weight, scales)
 
     def gemv_folds(self, x: torch.Tensor, weight: torch.Tensor, slice_offsets: Sequence[int]) -> bool:
         """Whether `gemv` of x by this weight runs the Triton GEMV and can add a low-rank delta whose
@@ -182,14 +185,16 @@ class FusedKernels:
         bias: torch.Tensor | None,
         plan: KernelPlan,
         delta: GemvDelta | None = None,
+        scales: WeightScales | None = None,
     ) -> torch.Tensor:
         """x weight^T (+ bias) (+ a delta, where `gemv_folds`) as the Triton GEMV, for a weight that
-        `gemv_fits`, under a plan with `gemv`."""
+        `gemv_fits` (an FP8 one with its `scales`), under a plan with `gemv`."""
         assert self.triton is not None
         if not _gemv_takes(x):
             assert delta is None
-            return torch.nn.functional.linear(x, weight, bias)
-        return self.triton.gemv(x, weight, bias, pdl=plan.pdl, delta=delta)
+            real = weight if scales is None else scales.dequantize(weight).to(x.dtype)
+            return torch.nn.functional.linear(x, real, bias)
+        return self.triton.gemv(x, weight, bias, pdl=plan.pdl, delta=delta, scales=scales)
 
     def tinygemm(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan

@@ -19,6 +19,7 @@ from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.layers.fused import FusedKernels
 from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.layers.source import TensorSource, check_shape
+from tandem.engine.layers.weight_scales import WeightScales
 
 # (x, weight, bias or None) -> x weight^T (+ bias).
 MatMul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -77,7 +78,7 @@ def matmul_with_delta(
     if kernels is not None and plan.gemv and layer.gemv_fits:
         folds = delta is not None and kernels.gemv_folds(x, layer.weight, delta.slice_offsets)
         folded = delta.fold(x, plan) if delta is not None and folds else None
-        out = kernels.gemv(x, layer.weight, bias, plan, folded)
+        out = kernels.gemv(x, layer.weight, bias, plan, folded, layer.gemv_scales)
         if folded is not None:
             return out
     elif kernels is not None and plan.tinygemm and layer.tinygemm_fits:
@@ -115,6 +116,8 @@ class ColumnParallelLinear(nn.Module):
         # Whether a plan with `gemv` / `tinygemm` may run this layer's GEMM so: decided once, by shape.
         self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
+        # An FP8 weight's scales, for the GEMV that reads its bytes (quant/fp8_linear.py sets them).
+        self.gemv_scales: WeightScales | None = None
         # The LoRA delta of each row's adapter (B's rows of this rank's output shard), set by the engine
         # when LoRA is on; added under plans with `lora`.
         self.lora: OutputDelta | None = None
@@ -165,6 +168,8 @@ class RowParallelLinear(nn.Module):
         )
         self.gemv_fits = kernels is not None and kernels.gemv_fits(self.weight)
         self.tinygemm_fits = kernels is not None and kernels.tinygemm_fits(self.weight)
+        # An FP8 weight's scales, for the GEMV that reads its bytes (quant/fp8_linear.py sets them).
+        self.gemv_scales: WeightScales | None = None
         # The LoRA delta (A's columns of this rank's input shard): summed by the one all-reduce below.
         self.lora: OutputDelta | None = None
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tandem.engine.layers.weight_scales import WeightScales
 from tandem.engine.quant.fp8_format import dequantize, quantize_blocks, quantize_per_channel
 
 BLOCK = 128  # the block kernel's K granule, and the block size of the checkpoints it serves as is
@@ -149,7 +150,20 @@ def quantize_linears(
             continue
         module.weight = nn.Parameter(wq, requires_grad=False)
         module.matmul = matmul
-        module.tinygemm_fits = False  # tinygemm and the Triton GEMV take 16-bit weights
-        module.gemv_fits = False
+        module.tinygemm_fits = False  # tinygemm takes 16-bit weights
+        # The Triton GEMV reads the FP8 bytes and scales them in registers (weight-only: the activations
+        # stay 16-bit), under the plans that run the GEMV (one-row decode graphs by default).
+        scales = _gemv_scales(matmul)
+        module.gemv_scales = scales
+        module.gemv_fits = module.kernels is not None and module.kernels.gemv_fits(wq, scales)
         made += 1
     return made
+
+
+def _gemv_scales(matmul: BlockScaledMatMul | ChannelScaledMatMul | ScaledMatMul) -> WeightScales:
+    """The scales the GEMV reads for a layer's FP8 weight, the same the layer's library GEMM applies."""
+    if isinstance(matmul, BlockScaledMatMul):
+        return WeightScales(matmul.blocks, (BLOCK, BLOCK))
+    if isinstance(matmul, ChannelScaledMatMul):
+        return WeightScales(matmul.large.scale.reshape(-1).contiguous())
+    return WeightScales(matmul.scale.reshape(-1).contiguous())

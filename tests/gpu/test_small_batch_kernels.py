@@ -83,3 +83,45 @@ def test_pdl_chain_matches_float32_and_replays(rows: int, gemm: str) -> None:
     for _ in range(30):
         graph.replay()
         assert torch.equal(out, first)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_gemv_in_a_graph_matches_the_dequantized_matmul(rows: int, block: tuple[int, int] | None) -> None:
+    """Weight-only FP8 decode: the GEMV over FP8 bytes with per-channel or 128 x 128 block scales, under
+    PDL inside a CUDA graph, at Llama-3.1-8B's down-projection shape, against the float32 product with the
+    dequantized weight (one bf16 rounding, plus summation order), bit-stable over replays."""
+    from tandem.engine.kernel_plan import KernelPlanner
+    from tandem.engine.layers.fused import FusedKernels
+    from tandem.engine.layers.weight_scales import WeightScales
+    from tandem.engine.quant.fp8_format import quantize_blocks, quantize_per_channel
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FP8 and PDL need compute capability 9.0")
+    kernels = FusedKernels(16, triton=True, tinygemm=False)
+    plan = KernelPlanner(fused_decode_rows=8, triton_norm_rows=8, pdl_rows=8, gemv_rows=8).decode(rows)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    weight = torch.randn(4096, 14336, device="cuda", generator=g) * 14336**-0.5
+    if block is None:
+        wq, values = quantize_per_channel(weight)
+        scales = WeightScales(values.contiguous())
+    else:
+        wq, values = quantize_blocks(weight, block)
+        scales = WeightScales(values.contiguous(), block)
+    assert kernels.gemv_fits(wq, scales) and not kernels.gemv_fits(wq)
+    x = torch.randn(rows, 14336, device="cuda", generator=g).bfloat16()
+    want = x.float() @ scales.dequantize(wq).T
+    graph = torch.cuda.CUDAGraph()
+    kernels.gemv(x, wq, None, plan, None, scales)  # compile outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = kernels.gemv(x, wq, None, plan, None, scales)
+    graph.replay()
+    torch.cuda.synchronize()
+    first = out.clone()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    assert float(((first.float() - want).abs() / ulp).max()) <= 1.0
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)

@@ -117,3 +117,47 @@ def test_a_folded_lora_delta_matches_the_separate_one_in_the_interpreter(
         assert case["takes"] and case["base_same"], case
         assert case["err"] < 2e-3, case  # 16-bit rounding of the output, once against twice
     assert out["misaligned"] is False
+
+
+FP8_CASES = [  # (rows, out features, in features, block or None for per-channel scales)
+    (1, 64, 1024, None),
+    (2, 40, 96, None),  # a partial last block of features; K padded to 128
+    (1, 300, 1000, [128, 128]),  # edge scale blocks on both sides; K padded to 1,024
+    (3, 48, 96, [16, 32]),  # small blocks, several rows
+    (1, 20, 64, [128, 128]),  # K smaller than one scale block: padded up to it
+]
+FP8_SCRIPT = """
+import json, sys, torch
+from tandem.engine.layers.triton_gemv import fits, gemv
+from tandem.engine.layers.weight_scales import WeightScales
+from tandem.engine.quant.fp8_format import quantize_blocks, quantize_per_channel
+
+out = {"cases": []}
+for rows, n, k, block in json.loads(sys.argv[1]):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different ranges
+    if block is None:
+        wq, values = quantize_per_channel(w)
+        scales = WeightScales(values.contiguous())
+    else:
+        wq, values = quantize_blocks(w, tuple(block))
+        scales = WeightScales(values.contiguous(), tuple(block))
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    want = x.float() @ scales.dequantize(wq).T
+    got = gemv(x, wq, None, scales=scales).float()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    out["cases"].append({"shape": list(got.shape), "worst": float(((got - want).abs() / ulp).max()),
+                         "fits": fits(wq, scales), "fits_unscaled": fits(wq)})
+print(json.dumps(out))
+"""
+
+
+def test_fp8_weights_are_scaled_in_the_kernel(triton_interpreter: Callable[[str, object], Any]) -> None:
+    """Weight-only FP8: the GEMV reads FP8 bytes and their per-channel or per-block scales, and gives the
+    float32 product with the dequantized weight, rounded once to bf16 (plus summation order)."""
+    out = triton_interpreter(FP8_SCRIPT, FP8_CASES)
+    assert [c["shape"] for c in out["cases"]] == [[rows, n] for rows, n, _, _ in FP8_CASES]
+    worst = [c["worst"] for c in out["cases"]]
+    assert max(worst) <= 1.0, worst
+    # An FP8 weight fits only with its scales.
+    assert all(c["fits"] and not c["fits_unscaled"] for c in out["cases"])
