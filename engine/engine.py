@@ -82,7 +82,9 @@ class Engine:
         fp8 = Fp8Checkpoint.from_dir(config.model_dir)
         if config.load_format == "dummy":
             init_dummy_weights(self.model)
-            fp8, report = None, LoadReport()  # nothing was read: an FP8 checkpoint's layers are not known
+            # Nothing was read: drawn weights take the checkpoint's format on every linear layer (its
+            # blocks where it has them), so a dummy FP8 model runs the kernels the real one would.
+            report = LoadReport(fp8_modules=self.model.linear_layers() if fp8 is not None else [])
         else:
             report = load_weights(self.model, config.model_dir, progress, fp8)
         self.kv_dtype = config.kv_cache_dtype or config.dtype

@@ -173,3 +173,26 @@ def test_fp8_kv_cache_doubles_the_pool_and_graphs_match_eager(
         gc.collect()
         torch.cuda.empty_cache()
     assert 1.9 < pages["fp8_e4m3"] / pages["auto"] < 2.1, pages
+
+
+def test_a_dummy_fp8_checkpoint_runs_its_layers_in_fp8(
+    gpu_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`load_format="dummy"` on a block-scaled FP8 config: every linear layer is FP8 in the config's
+    blocks, as the real checkpoint's would be, so benchmarks of FP8 shapes run FP8 kernels."""
+    import json
+    import shutil
+
+    from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+
+    _needs_fp8()
+    write_fp8_checkpoint(gpu_model_dir("qwen3"), tmp_path / "fp8", layout="block", block=(128, 128))
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "fp8", bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert json.loads((bare / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        128,
+        128,
+    ]
+    outs, layers = _greedy(bare, _prompts(4), load_format="dummy")
+    assert layers == 4 * 2
+    assert all(len(o.token_ids) == GREEDY_TOKENS for o in outs)
