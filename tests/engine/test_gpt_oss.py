@@ -147,3 +147,36 @@ def test_router_and_experts_match_transformers() -> None:
     assert spec is not None and spec.activation == "swiglu_clamped"
     assert bool((gate_up.abs() > spec.swiglu_limit).any())
     assert torch.equal(gated(gate_up[:, 0::2], gate_up[:, 1::2], spec), experts._apply_gate(gate_up))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(case: Any) -> dict[int, dict[str, dict[str, Any]]]:
+    """tp_size=2, with and without expert parallelism, over gloo (test_moe_models' worker)."""
+    import torch.multiprocessing as mp
+
+    from .test_moe_models import _worker, free_port
+
+    model_dir, prompts, _ = case
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    jobs = {"gpt_oss": (str(model_dir), prompts)}
+    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+def test_tp2_and_expert_parallel_match_hf(mode: str, case: Any, two_ranks: dict[int, Any]) -> None:
+    _, _, want = case
+    for rank in (0, 1):
+        got = two_ranks[rank][f"gpt_oss/{mode}"]
+        assert got["tokens"] == want, (rank, mode)
+        # [E_local, 2 I_local, H]: TP halves every expert's intermediate rows, EP holds half the experts.
+        expected = (8, 128, 64) if mode == "tp" else (4, 256, 64)
+        assert set(got["experts_held"]) == {expected}
