@@ -19,11 +19,17 @@ class RopeConfig:
     """Rotary embedding parameters for one layer type."""
 
     theta: float
-    rope_type: str = "default"  # "default", "llama3" or "linear"
+    rope_type: str = "default"  # "default", "llama3", "linear" or "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (layers/yarn.py): the ramp's rotation bounds, whether they are rounded outwards, and the
+    # factor cos and sin are multiplied by (None: derived from `factor`, as transformers does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -181,23 +187,32 @@ def _layer_types(raw: dict[str, Any], num_layers: int, model_type: str, window: 
     return (SLIDING,) * num_layers  # Mistral: a window on every layer
 
 
+# The rope base a family's config class assumes when config.json leaves it out.
+_DEFAULT_THETA = {"gpt_oss": 150000.0}
+
+
 def _rope_from(params: dict[str, Any], default_theta: float) -> RopeConfig:
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3, linear")
+    if rope_type not in ("default", "llama3", "linear", "yarn"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3, linear, yarn")
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(params.get("rope_theta", default_theta)),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 
 def _rope_configs(raw: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig]:
     """Accept both transformers 5 `rope_parameters` and the older `rope_theta`/`rope_scaling` keys."""
-    theta = float(raw.get("rope_theta", 10000.0))
+    theta = float(raw.get("rope_theta", _DEFAULT_THETA.get(model_type, 10000.0)))
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and (FULL in params or SLIDING in params):
         full_params: dict[str, Any] = params.get(FULL) or {}

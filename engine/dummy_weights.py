@@ -3,7 +3,9 @@ with no checkpoint read (vLLM's option of that name). For benchmarks of shapes w
 disk holds (the 60 GB Qwen3-30B-A3B), and for tests that need a model without its weights.
 
 The values make a well-scaled network rather than a trained one: matrices ~ N(0, 1/fan_in), embeddings and
-the LM head ~ N(0, 0.02^2), norms at their neutral scale (1, or 0 where Gemma stores w - 1), biases zero.
+the LM head ~ N(0, 0.02^2), norms at their neutral scale (1, or 0 where Gemma stores w - 1), biases (an
+MoE's 2-D expert biases too) and attention sinks zero. A checkpoint's layout (bf16 or MXFP4) plays no part:
+both draw the same dense parameters.
 Each parameter draws from its own generator, seeded from its name, so every rank of a TP group draws the
 same values for the parameters they all hold whole (norms, MoE routers): they route every token alike.
 A split parameter's shards hold the same draw on every rank, which is as random as any other.
@@ -25,6 +27,9 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Fill every parameter of `model` in place, on the device it lives on."""
     gemma = model.traits.gemma_norm
     for name, param in model.named_parameters():
+        if name.endswith(("bias", "b13", "b2", "sinks.weight")):
+            param.zero_()
+            continue
         if param.ndim == 1:
             neutral = 0.0 if name.endswith("bias") or gemma else 1.0
             param.fill_(neutral)

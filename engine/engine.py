@@ -32,6 +32,7 @@ from tandem.engine.models.context import ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
 from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
+from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
 from tandem.engine.sampler import Sampler, SampleResult
 from tandem.engine.streams import Event, StreamSet
 from tandem.engine.weights import LoadReport, load_weights
@@ -86,7 +87,8 @@ class Engine:
             # blocks where it has them), so a dummy FP8 model runs the kernels the real one would.
             report = LoadReport(fp8_modules=self.model.linear_layers() if fp8 is not None else [])
         else:
-            report = load_weights(self.model, config.model_dir, progress, fp8)
+            mxfp4 = Mxfp4Checkpoint.from_dir(config.model_dir)
+            report = load_weights(self.model, config.model_dir, progress, fp8, mxfp4)
         self.kv_dtype = config.kv_cache_dtype or config.dtype
         if fp8 is not None or config.quantization == "fp8":
             # An FP8 checkpoint's own FP8 layers (not its `ignore` list); dynamic FP8: every linear layer.

@@ -153,8 +153,14 @@ class PiecewiseGraphRunner:
                 assert pieces is not None
                 x = pieces[i](x)
             if i < self.num_layers:
-                spec = self.body.layer(i).self_attn.spec
+                attn = self.body.layer(i).self_attn
                 ctx.attention.forward(
-                    spec, self.q[:n], self.k[:n], self.v[:n], ctx.pool, out=self.attn_out[:n]
+                    attn.spec,
+                    self.q[:n],
+                    self.k[:n],
+                    self.v[:n],
+                    ctx.pool,
+                    out=self.attn_out[:n],
+                    sinks=attn.sink_logits,
                 )
         return self.hidden[:n]

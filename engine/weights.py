@@ -16,6 +16,7 @@ from tandem.engine.layers.source import SafetensorsSource, TensorSource
 from tandem.engine.models.common import CausalLM
 from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.quant.fp8_format import KV_SCALE_SUFFIXES, SCALE_SUFFIXES, DequantSource, Fp8Checkpoint
+from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
 
 # Checkpoint entries that carry no weights of ours (recomputed buffers, a tied head's copy).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,14 +60,17 @@ def load_weights(
     model_dir: Path,
     progress: Callable[[int, int], None] | None = None,
     fp8: Fp8Checkpoint | None = None,
+    mxfp4: Mxfp4Checkpoint | None = None,
 ) -> LoadReport:
     """Fill every parameter of `model`; a missing or mis-shaped tensor raises, naming it. FP8 weights
-    of `fp8` checkpoints are read dequantized to float32 and stored in the parameter's dtype."""
+    of `fp8` checkpoints are read dequantized to float32 and stored in the parameter's dtype; so are
+    the MXFP4 blocks of `mxfp4` checkpoints (read under the dense tensor's name, with their scales)."""
     loaded: set[str] = set()
     report = LoadReport()
     files = safetensors_files(model_dir)
     with open_sources(files) as sources:
-        ours = {name: model.checkpoint_name(name) for name in sources}
+        dense = {name: mxfp4.weight_name(name) if mxfp4 else name for name in sources}
+        ours = {name: model.checkpoint_name(dense[name]) for name in sources}
         loaders = model.loaders(set(ours.values()))
         for i, (name, plain) in enumerate(sources.items()):
             if name.endswith(_IGNORED_SUFFIXES):
@@ -78,6 +82,8 @@ def load_weights(
                 continue
             if fp8 is not None and name.endswith(SCALE_SUFFIXES):
                 continue  # read with its weight
+            if mxfp4 is not None and mxfp4.is_scales(name):
+                continue  # read with its blocks
             if ours[name] not in loaders:
                 raise ValueError(
                     f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "
@@ -85,6 +91,8 @@ def load_weights(
                 )
             module, shard_id, is_bias = loaders[ours[name]]
             source: TensorSource = plain
+            if mxfp4 is not None and mxfp4.is_blocks(name):
+                source = mxfp4.source(plain, sources)
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:
                 if isinstance(module, MoEExperts):

@@ -30,6 +30,7 @@ class LayerSpec:
     scale: float
     window: int | None  # keys in (q - window, q] are visible; None for full attention
     softcap: float | None
+    sinks: bool = False  # a learned sink logit per head joins the softmax (attention/sinks.py)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,13 @@ class AttentionBackend(Protocol):
         pool: KVPool,
         out: torch.Tensor | None = None,
         stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k/v for the new tokens, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H * D].
 
         `out` ([T, H * D]), when given, receives the result (a static buffer of a piecewise graph).
         `stored`: the caller already wrote k/v at `new_kv_slots`, so k and v are not read.
+        `sinks` [H]: the layer's sink logits where its spec says `sinks`.
         """
         ...
 

@@ -28,6 +28,7 @@ from tandem.engine.attention.paged_layout import (
     page_indices,
     paged_layout,
 )
+from tandem.engine.attention.sinks import apply_sinks
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 
@@ -40,6 +41,12 @@ class FlashInferBackend:
     torch index_puts cost three times as long at small batch), addressed through the same page lists
     as attention; or, where the model's rope kernel stores them in the same launch (`new_kv_slots`,
     `forward(stored=True)`), not at all here.
+
+    Attention sinks (gpt-oss) are an epilogue: the wrapper's run also returns each query row's
+    log-sum-exp over the keys (base 2, flashinfer's convention), and the output is rescaled by
+    sigmoid(lse - sink) (attention/sinks.py). The same in prefill, decode, decode graphs (captured with
+    the run) and between piecewise graphs (the run is eager there). The one-launch Triton decode has no
+    sinks, so it never serves a group with them.
 
     Invariants: pages below a row's kv_start are never listed (evicted pages are stale); padding rows
     of a decode graph list only the pool's dummy page and store K/V only there; a plan never
@@ -236,12 +243,9 @@ class FlashInferBackend:
 
     def _init_fused_decode(self, sizes: list[int]) -> None:
         """The one-launch decode's buffers and launch configuration (equal shares of each row) for each
-        KV group it serves (full attention, no soft-cap, a power-of-two head_dim) at these graph sizes."""
-        served = {
-            gid: k
-            for gid, k in self.kernels.items()
-            if k.window_left == -1 and k.softcap == 0.0 and k.head_dim & (k.head_dim - 1) == 0
-        }
+        KV group it serves (full attention, no soft-cap, no sinks, a power-of-two head_dim) at these
+        graph sizes."""
+        served = {gid: k for gid, k in self.kernels.items() if k.one_launch}
         if not sizes or not served:
             return
         # Only where the plans chose it, which they do only where Triton imports (EngineConfig.triton).
@@ -337,6 +341,7 @@ class FlashInferBackend:
         pool: KVPool,
         out: torch.Tensor | None = None,
         stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         gid = pool.layer_group[layer.layer_id]
         a = self._append[gid]
@@ -361,11 +366,15 @@ class FlashInferBackend:
             if skipped is not None:
                 skipped()
         wrapper, cache = self._active[gid], pool.paged_view(layer.layer_id)
+        scales: dict[str, Any] = {}
         if self.fp8_kv:
             k_scale, v_scale = pool.scales[layer.layer_id]
-            result = wrapper.run(q.contiguous(), cache, out=heads, k_scale=k_scale, v_scale=v_scale)
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
+        if sinks is None:
+            result = wrapper.run(q.contiguous(), cache, out=heads, **scales)
         else:
-            result = wrapper.run(q.contiguous(), cache, out=heads)
+            result, lse = wrapper.run(q.contiguous(), cache, out=heads, return_lse=True, **scales)
+            apply_sinks(result, lse, sinks, base2=True)
         return result.view(-1, layer.num_heads * layer.head_dim)  # type: ignore[no-any-return]
 
 

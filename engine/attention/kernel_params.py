@@ -21,6 +21,19 @@ class GroupKernel:
     # (q - window, q], so window_left = window - 1; -1 turns the window off.
     window_left: int
     softcap: float  # 0 turns soft-capping off
+    sinks: bool = False  # the layers have sink logits (attention/sinks.py): the kernel returns its lse
+
+    @property
+    def one_launch(self) -> bool:
+        """Whether the one-launch Triton decode (triton_decode.py) can run this group's layers: full
+        attention, no soft-cap, no sinks (it has none: gpt-oss's layers take flashinfer's decode and the
+        sink epilogue), a power-of-two head_dim."""
+        return (
+            self.window_left == -1
+            and self.softcap == 0.0
+            and not self.sinks
+            and self.head_dim & (self.head_dim - 1) == 0
+        )
 
     @classmethod
     def of(cls, specs: Sequence[LayerSpec]) -> GroupKernel:
@@ -34,6 +47,7 @@ class GroupKernel:
                 s.scale,
                 -1 if s.window is None else s.window - 1,
                 0.0 if s.softcap is None else s.softcap,
+                s.sinks,
             )
             for s in specs
         }

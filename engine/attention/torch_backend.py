@@ -1,7 +1,8 @@
 """Reference attention on any device: gather each row's live pages and call SDPA.
 
 Slower than flashinfer, but it runs on CPU (CI) and serves as the reference on GPU. It handles a
-cached prefix (extend), per-layer sliding windows over evicted page tables, GQA and logit soft-capping.
+cached prefix (extend), per-layer sliding windows over evicted page tables, GQA, logit soft-capping and
+attention sinks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
+from tandem.engine.attention.sinks import softmax_with_sinks
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 
@@ -83,6 +85,7 @@ class TorchAttentionBackend:
         pool: KVPool,
         out: torch.Tensor | None = None,
         stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         group_id = pool.layer_group[layer.layer_id]
         if not stored:
@@ -98,10 +101,10 @@ class TorchAttentionBackend:
                 repeat = layer.num_heads // layer.num_kv_heads
                 kb = kb.repeat_interleave(repeat, dim=0)
                 vb = vb.repeat_interleave(repeat, dim=0)
-            if layer.softcap is None:
+            if layer.softcap is None and sinks is None:
                 ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=row.mask, scale=layer.scale)
             else:
-                ob = _softcapped(qb, kb, vb, row.mask, layer.scale, layer.softcap)
+                ob = _explicit(qb, kb, vb, row.mask, layer.scale, layer.softcap, sinks)
             heads[row.q_start : row.q_start + row.q_len] = ob.transpose(0, 1)
         return out
 
@@ -120,17 +123,23 @@ class TorchAttentionBackend:
         raise NotImplementedError("the torch attention backend cannot run inside decode CUDA graphs")
 
 
-def _softcapped(
+def _explicit(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Attention written out, for soft-capping and sinks (which SDPA has no argument for)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = softmax_with_sinks(scores, sinks).to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)

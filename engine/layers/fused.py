@@ -26,6 +26,7 @@ from tandem.engine.config import RopeConfig
 from tandem.engine.kernel_plan import EAGER, KernelPlan
 from tandem.engine.layers.low_rank import GemvDelta
 from tandem.engine.layers.weight_scales import WeightScales
+from tandem.engine.layers.yarn import yarn_attention_factor
 from tandem.engine.sampler import RaceSample
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,10 @@ class FusedKernels:
         if table is None:
             positions = torch.arange(self.max_positions, device=inv_freq.device, dtype=torch.int64)
             freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
-            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            if rope.rope_type == "yarn":  # YaRN scales cos and sin (layers/yarn.py)
+                table = table * yarn_attention_factor(rope)
+            table = table.contiguous()
             self._tables[key] = table
         return table
 

@@ -9,9 +9,12 @@ from torch import nn
 
 from tandem.engine.config import RopeConfig
 from tandem.engine.layers.fused import FusedKernels
+from tandem.engine.layers.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    if rope.rope_type == "yarn":
+        return yarn_inverse_frequencies(rope, rotary_dim)
     inv = 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if rope.rope_type == "linear":
         return inv / rope.factor
@@ -30,6 +33,11 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     return inv
 
 
+def cos_sin_scale(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    return yarn_attention_factor(rope) if rope.rope_type == "yarn" else 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin from positions on the fly: no table sized by the context length.
 
@@ -44,6 +52,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = inverse_frequencies(rope, head_dim).to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scale = cos_sin_scale(rope)
         self.kernels = kernels
         # Not a buffer: it is shared, and no checkpoint or .to() should see one copy per layer.
         self.table = None if kernels is None else kernels.cos_sin_table(rope, inv_freq)
@@ -56,8 +65,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.get_buffer("inv_freq")
         freqs = positions.float().unsqueeze(-1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().unsqueeze(1)
-        sin = emb.sin().unsqueeze(1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 

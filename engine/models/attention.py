@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tandem.engine.attention.base import FusedDecode, LayerSpec
+from tandem.engine.attention.sinks import AttentionSinks
 from tandem.engine.kernel_plan import KernelPlan
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.layers.linear import head_shard
@@ -25,7 +26,20 @@ class Attention(nn.Module):
         q_shard = head_shard(c.num_heads, c.head_dim, tp)
         kv_shard = head_shard(c.num_kv_heads, c.head_dim, tp)
         self.qkv_proj = b.column(c.hidden_size, [q_shard, kv_shard, kv_shard], bias=c.attention_bias)
-        self.o_proj = b.row(c.num_heads * c.head_dim, c.hidden_size)
+        self.o_proj = b.row(
+            c.num_heads * c.head_dim, c.hidden_size, bias=b.traits.o_proj_bias and c.attention_bias
+        )
+        self.sinks = (
+            AttentionSinks(
+                c.num_heads,
+                q_shard.start // c.head_dim,
+                q_shard.size // c.head_dim,
+                dtype=b.dtype,
+                device=b.device,
+            )
+            if b.traits.attention_sinks
+            else None
+        )
         self.q_norm = b.norm(c.head_dim) if c.qk_norm else None
         self.k_norm = b.norm(c.head_dim) if c.qk_norm else None
         window = c.window_of(layer_id)
@@ -40,6 +54,7 @@ class Attention(nn.Module):
             scale=c.attn_scale,
             window=window,
             softcap=c.attn_softcap,
+            sinks=self.sinks is not None,
         )
         # On CUDA, the per-head norms (where the model has them) and the rope in one Triton launch
         # when the rope covers the whole head; that launch can also store K/V (`stores_kv`).
@@ -108,11 +123,20 @@ class Attention(nn.Module):
         group = ctx.pool.layer_group[self.spec.layer_id]
         # The plan picks the route: the one launch (where this layer's KV group is served), else the
         # q/k/v step (storing K/V itself where it can) and the backend's attention.
-        fused = ctx.attention.fused_decode(group) if ctx.plan.fused_decode and self.fused_qk else None
+        # The one launch has no sinks: a layer with them never takes it (nor does the backend offer it).
+        one_launch = ctx.plan.fused_decode and self.fused_qk and self.sinks is None
+        fused = ctx.attention.fused_decode(group) if one_launch else None
         if fused is not None:
             return self._fused_decode(self.qkv_proj(x, ctx.plan), positions, ctx, fused)
         q, k, v = self.qkv(positions, x, ctx.plan, ctx)
-        return ctx.attention.forward(self.spec, q, k, v, ctx.pool, stored=self.stores_kv(ctx))
+        return ctx.attention.forward(
+            self.spec, q, k, v, ctx.pool, stored=self.stores_kv(ctx), sinks=self.sink_logits
+        )
+
+    @property
+    def sink_logits(self) -> torch.Tensor | None:
+        """This rank's heads' sink logits [H], or None: what the backend's `forward` takes as `sinks`."""
+        return None if self.sinks is None else self.sinks.weight
 
     def _fused_decode(
         self, merged: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, fused: FusedDecode

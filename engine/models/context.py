@@ -26,6 +26,8 @@ class Traits:
     gemma_norm: bool = False  # (1 + w) RMS norms
     sandwich_norms: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
     embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
+    o_proj_bias: bool = False  # the o projection has a bias too where `attention_bias` says so (gpt-oss)
+    attention_sinks: bool = False  # a learned sink logit per head (`self_attn.sinks`; gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -62,18 +64,18 @@ class Build:
             in_features, shards, bias=bias, dtype=self.dtype, device=self.device, kernels=self.kernels
         )
 
-    def replicated(self, in_features: int, out_features: int) -> ColumnParallelLinear:
+    def replicated(self, in_features: int, out_features: int, *, bias: bool = False) -> ColumnParallelLinear:
         """A linear layer every rank holds whole (an MoE router, a shared expert's gate): a column-parallel
         layer of one unsplit output, so it takes the same small-GEMM kernels."""
-        return self.column(in_features, [OutputShard(out_features, 0, out_features)], bias=False)
+        return self.column(in_features, [OutputShard(out_features, 0, out_features)], bias=bias)
 
-    def row(self, in_features: int, out_features: int) -> RowParallelLinear:
-        """Without a bias: no model here has one on its o or down projection."""
+    def row(self, in_features: int, out_features: int, *, bias: bool = False) -> RowParallelLinear:
+        """With `bias`, only rank 0 adds it (RowParallelLinear): once per token."""
         return RowParallelLinear(
             in_features,
             out_features,
             self.tp,
-            bias=False,
+            bias=bias,
             dtype=self.dtype,
             device=self.device,
             kernels=self.kernels,

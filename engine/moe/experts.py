@@ -2,10 +2,13 @@
 checkpoint layout.
 
 `w13` [E_local, 2 I_local, H] holds each expert's gate rows, then its up rows; `w2` [E_local, H, I_local]
-its down projection. That is transformers' fused `experts.gate_up_proj` / `experts.down_proj` layout
+its down projection; with `MoESpec.expert_bias` (gpt-oss), `b13` [E_local, 2 I_local] and `b2`
+[E_local, H] their biases. That is transformers' fused `experts.gate_up_proj` / `experts.down_proj` layout
 (written by `save_pretrained(save_original_format=False)`), so those load as slices; the hub's
 per-expert `experts.N.{gate,up,down}_proj.weight` tensors (what `save_pretrained` writes by default, and
 what Mixtral, Qwen1.5-MoE and Qwen3-MoE checkpoints hold) are stacked into it at load time.
+gpt-oss's fused tensors (`MoESpec.gpt_oss_layout`: [E, H, 2I] with gate and up interleaved, and [E, I, H])
+are transposed and de-interleaved at load, one expert at a time, keeping only this rank's shard.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.layers.source import TensorSource, check_shape
+from tandem.engine.moe.activation import gated
 from tandem.engine.moe.routing import select_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 
@@ -52,6 +56,14 @@ class MoEExperts(nn.Module):
         e, i = shard.num_local, shard.inter_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
+        self.b13: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if spec.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype, device=device), False)
+            self.b2 = nn.Parameter(torch.empty(e, hidden_size, dtype=dtype, device=device), False)
+        # The down projection's bias is added once per token: by the rank holding the first slice of the
+        # intermediate dimension (under expert parallelism every rank, for the experts it holds).
+        self.adds_down_bias = shard.inter_start == 0
         self.fused = fused  # fused.FusedMoE, or None for the torch path
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -59,6 +71,15 @@ class MoEExperts(nn.Module):
         """The checkpoint names this module loads, in the layout the checkpoint has (`available` are its
         names): the fused pair where it has them, else every expert's three tensors. Experts of other
         ranks are listed too, so loading accepts them; `load` skips them without reading."""
+        if self.spec.gpt_oss_layout:
+            entries = {
+                f"{prefix}.gate_up_proj": (self, FUSED_GATE_UP, False),
+                f"{prefix}.down_proj": (self, FUSED_DOWN, False),
+            }
+            if self.spec.expert_bias:
+                entries[f"{prefix}.gate_up_proj_bias"] = (self, FUSED_GATE_UP, True)
+                entries[f"{prefix}.down_proj_bias"] = (self, FUSED_DOWN, True)
+            return entries
         if f"{prefix}.gate_up_proj" in available:
             return {
                 f"{prefix}.gate_up_proj": (self, FUSED_GATE_UP, False),
@@ -95,6 +116,9 @@ class MoEExperts(nn.Module):
     def load(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         s, full, hidden = self.shard, self.spec.expert_intermediate_size, self.hidden_size
         lo, size, experts = s.inter_start, s.inter_size, self.spec.num_experts
+        if self.spec.gpt_oss_layout:
+            self._load_gpt_oss(source, shard_id, is_bias=is_bias)
+            return
         if shard_id == FUSED_GATE_UP:
             what = "the experts' fused gate/up projection"
             block = _experts_of(source, s, (experts, 2 * full, hidden), what)
@@ -116,6 +140,36 @@ class MoEExperts(nn.Module):
         check_shape(source, (full, hidden), f"expert {expert}'s {_KINDS[kind]}")
         self.w13.data[local, kind * size : (kind + 1) * size].copy_(source.read(0, lo, size))
 
+    def _load_gpt_oss(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
+        """gpt-oss's tensors, one local expert at a time (an MXFP4 source dequantizes only what is read):
+        gate_up_proj [E, H, 2I] (+ bias [E, 2I]), gate and up interleaved, so this rank's intermediate
+        rows [lo, lo + size) are the columns [2 lo, 2 (lo + size)); down_proj [E, I, H] (+ bias [E, H])."""
+        s, full, hidden = self.shard, self.spec.expert_intermediate_size, self.hidden_size
+        experts = self.spec.num_experts
+        lo, size = s.inter_start, s.inter_size
+        gate_up = shard_id == FUSED_GATE_UP
+        what = "the experts' " + ("gate/up" if gate_up else "down") + (" bias" if is_bias else " projection")
+        if is_bias:
+            check_shape(source, (experts, 2 * full) if gate_up else (experts, hidden), what)
+        elif gate_up:
+            check_shape(source, (experts, hidden, 2 * full), what)
+        else:
+            check_shape(source, (experts, full, hidden), what)
+        for local in range(s.num_local):
+            block = source.read(0, s.expert_start + local, 1)[0]
+            if gate_up:
+                cols = block[..., 2 * lo : 2 * (lo + size)]  # [2 size] or [H, 2 size]
+                target = self.b13 if is_bias else self.w13
+                assert target is not None
+                gate, up = cols[..., 0::2], cols[..., 1::2]
+                target.data[local, :size].copy_(gate if is_bias else gate.T)
+                target.data[local, size:].copy_(up if is_bias else up.T)
+            elif is_bias:
+                assert self.b2 is not None
+                self.b2.data[local].copy_(block)
+            else:
+                self.w2.data[local].copy_(block[lo : lo + size].T)
+
     # ---- forward -------------------------------------------------------------------------------------
     def forward(
         self,
@@ -131,7 +185,8 @@ class MoEExperts(nn.Module):
         if self.fused is not None:
             out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate, pdl)
             return out
-        weights, ids = select_experts(logits, self.spec.top_k, renormalize=self.spec.renormalize)
+        spec = self.spec
+        weights, ids = select_experts(logits, spec.top_k, renormalize=spec.renormalize, scoring=spec.scoring)
         out = self._torch_experts(x, weights, ids)
         if shared is not None and shared_gate is not None:
             out = out + torch.sigmoid(shared_gate) * shared
@@ -146,8 +201,9 @@ class MoEExperts(nn.Module):
         for e in range(self.shard.num_local):
             hit = local == e  # [T, k]: each expert appears at most once per token
             weight = (weights * hit).sum(dim=-1, keepdim=True)
-            gate_up = F.linear(x, self.w13[e])
-            y = F.linear(F.silu(gate_up[:, :size]) * gate_up[:, size:], self.w2[e])
+            gate_up = F.linear(x, self.w13[e], None if self.b13 is None else self.b13[e])
+            down_bias = self.b2[e] if self.b2 is not None and self.adds_down_bias else None
+            y = F.linear(gated(gate_up[:, :size], gate_up[:, size:], self.spec), self.w2[e], down_bias)
             out += torch.where(hit.any(dim=-1, keepdim=True), y * weight, 0.0).to(x.dtype)
         return out
 

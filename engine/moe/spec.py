@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# How a router turns its logits into (expert, weight) pairs. One kind today; DeepSeek's grouped top-k or
-# gpt-oss's top-k-then-softmax would be further kinds of this field, not another layer.
-Scoring = Literal["softmax_topk"]
+# How a router turns its logits into (expert, weight) pairs: a softmax over all experts, then the top k
+# (Mixtral, Qwen); or the top k logits, then a softmax over those k (gpt-oss).
+Scoring = Literal["softmax_topk", "topk_softmax"]
+# The experts' gated activation: silu(gate) * up; or gpt-oss's clamped SwiGLU,
+# gate.clamp(max=limit) * sigmoid(alpha * gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1).
+Activation = Literal["silu", "swiglu_clamped"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,14 @@ class MoESpec:
     # Qwen2-MoE: a dense expert every token passes through, scaled by sigmoid(x . shared_expert_gate).
     shared_expert_intermediate_size: int = 0
     scoring: Scoring = "softmax_topk"
+    router_bias: bool = False  # the router is a linear layer with a bias (gpt-oss)
+    expert_bias: bool = False  # every expert's gate/up and down projections have biases (gpt-oss)
+    activation: Activation = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # transformers' gpt-oss layout of the fused expert tensors: gate_up_proj [E, H, 2I] with gate and up
+    # interleaved (even and odd columns), down_proj [E, I, H]; x @ W rather than x W^T.
+    gpt_oss_layout: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer]
@@ -47,6 +58,21 @@ class MoESpec:
         top_k = int(raw.get("num_experts_per_tok", 2))
         if not 1 <= top_k <= experts:
             raise ValueError(f"num_experts_per_tok={top_k} must lie in [1, {experts}] (the experts)")
+        if raw.get("model_type") == "gpt_oss":
+            return cls(
+                num_experts=experts,
+                top_k=top_k,
+                expert_intermediate_size=int(raw["intermediate_size"]),
+                renormalize=False,  # the softmax over the chosen k already sums to one
+                sparse_layers=(True,) * num_layers,
+                scoring="topk_softmax",
+                router_bias=True,
+                expert_bias=True,
+                activation="swiglu_clamped",
+                swiglu_alpha=float(raw.get("swiglu_alpha") or 1.702),
+                swiglu_limit=float(raw.get("swiglu_limit") or 7.0),
+                gpt_oss_layout=True,
+            )
         step = int(raw.get("decoder_sparse_step") or 1)
         dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))

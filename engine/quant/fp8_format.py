@@ -44,6 +44,8 @@ class Fp8Checkpoint:
         if not raw:
             return None
         method = raw.get("quant_method")
+        if method == "mxfp4":
+            return None  # not FP8: quant/mxfp4.py reads it
         if method == "fp8":
             if raw.get("activation_scheme", "dynamic") != "dynamic":
                 raise ValueError("FP8 checkpoints with static activation scales are not supported")
@@ -77,7 +79,10 @@ class Fp8Checkpoint:
                 block=None,
                 ignore=tuple(raw.get("ignore") or ()),
             )
-        raise ValueError(f"quantization method {method!r} is not supported (FP8 checkpoints only)")
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported; tandem loads 'fp8', "
+            "'compressed-tensors' (FP8) and 'mxfp4' (gpt-oss's experts) checkpoints"
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Fp8Checkpoint | None:

@@ -18,6 +18,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -42,8 +43,9 @@ FAMILIES: tuple[str, ...] = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 )
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
@@ -55,6 +57,7 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mixtral": MixtralConfig,
     "qwen2_moe": Qwen2MoeConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "gpt_oss": GptOssConfig,
 }
 
 # Gemma's RMSNorm multiplies by (1 + weight); everyone else multiplies by weight.
@@ -131,6 +134,24 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [2],
         "tie_word_embeddings": True,
     },
+    # gpt-oss: sliding and full layers alternating (the config's default layer_types), a small window,
+    # YaRN over a tiny original context so the ramp's three bands occur for head_dim 16, top 2 of 8.
+    "gpt_oss": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        "sliding_window": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+    },
 }
 
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq")
@@ -201,12 +222,14 @@ def _reinit(model: PreTrainedModel, family: str, seed: int) -> None:
     found_final_norm = False
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if param.ndim >= 2 and ("embed" in name or "lm_head" in name):
+        if name.endswith(("bias", "sinks")):  # gpt-oss's experts' biases are 2-D; its sinks per head
+            value = noise * _BIAS_STD
+        elif param.ndim >= 2 and ("embed" in name or "lm_head" in name):
             value = noise * embed_std
+        elif family == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            value = noise * (_LINEAR_GAIN / math.sqrt(param.shape[-2]))  # gpt-oss's [E, in, out]
         elif param.ndim >= 2:
             value = noise * (_LINEAR_GAIN / math.sqrt(param.shape[-1]))
-        elif name.endswith(".bias"):
-            value = noise * _BIAS_STD
         else:  # RMSNorm weight
             if name == "model.norm.weight":
                 centre, found_final_norm = final_centre, True

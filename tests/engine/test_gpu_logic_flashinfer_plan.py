@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import sys
 import types
 from typing import Any
@@ -52,11 +53,18 @@ class _Paged:
         self.window_left, self.scale, self.cap = kw["window_left"], kw["sm_scale"], kw["logits_soft_cap"]
 
     def _attend(
-        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], qo: list[int], out: torch.Tensor | None
-    ) -> torch.Tensor:
+        self,
+        q: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        qo: list[int],
+        out: torch.Tensor | None,
+        return_lse: bool = False,
+    ) -> Any:
+        """The output; with `return_lse`, (output, lse [T, H] float32 in base 2, as flashinfer's)."""
         k_cache, v_cache = kv
         page_size = k_cache.shape[1]
         result = torch.empty_like(q) if out is None else out
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32)
         for b in range(len(qo) - 1):
             pages = self.indices[int(self.indptr[b]) : int(self.indptr[b + 1])].long()
             n = (pages.shape[0] - 1) * page_size + int(self.last[b])
@@ -71,9 +79,11 @@ class _Paged:
             scores = torch.einsum("qhd,khd->hqk", qb.float(), k.float()) * self.scale
             if self.cap > 0:
                 scores = self.cap * torch.tanh(scores / self.cap)
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            masked = scores.masked_fill(~visible, float("-inf"))
+            probs = masked.softmax(-1)
             result[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
-        return result
+            lse[qo[b] : qo[b + 1]] = (torch.logsumexp(masked, -1) / math.log(2)).T
+        return (result, lse) if return_lse else result
 
 
 class FakePrefill(_Paged):
@@ -94,9 +104,13 @@ class FakePrefill(_Paged):
         self.qo = qo_indptr.tolist()
 
     def run(
-        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self._attend(q, kv, self.qo, out)
+        self,
+        q: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> Any:
+        return self._attend(q, kv, self.qo, out, return_lse)
 
 
 class FakeDecode(_Paged):
@@ -114,10 +128,14 @@ class FakeDecode(_Paged):
         self._keep(indptr, indices, last, kw)
 
     def run(
-        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        q: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        out: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> Any:
         assert q.shape[0] == self.last.shape[0], "one query per planned row"
-        return self._attend(q, kv, list(range(q.shape[0] + 1)), out)
+        return self._attend(q, kv, list(range(q.shape[0] + 1)), out, return_lse)
 
 
 def fake_append(
@@ -196,12 +214,17 @@ STEPS = {
 }
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize(("softcap", "sinks"), [(None, False), (30.0, False), (None, True)])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap: float | None) -> None:
+def test_planned_pages_match_the_reference(
+    backend_cls: Any, step: str, softcap: float | None, sinks: bool
+) -> None:
+    """With `sinks` (gpt-oss), flashinfer's output rescaled by sigmoid(lse - sink), the lse in base 2, is
+    the torch backend's softmax over the keys plus the sink: in eager batches and padded decode graphs."""
     spans, windows = STEPS[step], [None, 8]
     groups = [KVGroupSpec(i, (i,), w, NUM_PAGES) for i, w in enumerate(windows)]
-    specs = [LayerSpec(i, 4, 2, 8, 0.3, w, softcap) for i, w in enumerate(windows)]
+    specs = [LayerSpec(i, 4, 2, 8, 0.3, w, softcap, sinks=sinks) for i, w in enumerate(windows)]
+    sink = torch.tensor([0.5, -1.0, 2.0, 1.5]) if sinks else None
     pool = KVPool(groups, PAGE, 2, 8, dtype=torch.float32, device=torch.device("cpu"))
     for layer in (0, 1):
         pool.k[layer].normal_(), pool.v[layer].normal_()
@@ -219,11 +242,17 @@ def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap:
     ref_pool = copy.deepcopy(pool)
     ref = TorchAttentionBackend(groups, PAGE, torch.device("cpu"))
     ref.plan(batch)
-    expected = [ref.forward(s, q, k, v, ref_pool) for s in specs]
+    expected = [ref.forward(s, q, k, v, ref_pool, sinks=sink) for s in specs]
+    if sinks:  # the sinks matter
+        plain = TorchAttentionBackend(groups, PAGE, torch.device("cpu"))
+        plain.plan(batch)
+        unsunk = plain.forward(specs[0], q, k, v, copy.deepcopy(pool))
+        assert not torch.allclose(unsunk, expected[0], atol=1e-3)
     fi = backend_cls(groups, PAGE, torch.device("cpu"), layers=specs, dtype=torch.float32, workspace_mb=1)
+    assert not any(kernel.one_launch for kernel in fi.kernels.values()) or not sinks
     fi.plan(batch)
     for s, exp in zip(specs, expected):
-        got = fi.forward(s, q, k, v, pool)
+        got = fi.forward(s, q, k, v, pool, sinks=sink)
         assert float(got.abs().max()) < POISON / 10
         torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-4)
     for layer in (0, 1):
@@ -234,7 +263,7 @@ def test_planned_pages_match_the_reference(backend_cls: Any, step: str, softcap:
         fi.plan_decode_graph(batch, 8)
         pad = lambda x: torch.cat([x, torch.zeros(8 - x.shape[0], *x.shape[1:])])  # noqa: E731
         for layer, (s, exp) in enumerate(zip(specs, expected)):
-            got = fi.forward(s, pad(q), pad(k), pad(v), pool)
+            got = fi.forward(s, pad(q), pad(k), pad(v), pool, sinks=sink)
             torch.testing.assert_close(got[: len(spans)], exp, rtol=1e-4, atol=1e-4)
             changed = set((pool.k[layer] != before[layer]).any(-1).any(-1).nonzero().flatten().tolist())
             assert changed <= set(range(NUM_PAGES * PAGE, (NUM_PAGES + 1) * PAGE)), (

@@ -177,3 +177,41 @@ def test_specs_of_the_three_families() -> None:
     spec = MoESpec.from_raw(qwen3, 4)
     assert spec is not None and spec.renormalize and spec.sparse_layers == (True, True, True, False)
     assert MoESpec.from_raw({"model_type": "qwen3", "intermediate_size": 64}, 2) is None
+
+
+def test_gpt_oss_options_torch_experts_match_the_reference_under_tp_and_ep() -> None:
+    """Top-k-then-softmax routing, biased experts and the clamped SwiGLU, loaded from the gpt-oss fused
+    layout (transposed, gate/up interleaved): the shards' partial sums add up to the reference, the down
+    bias counted once per token."""
+    from tandem.engine.moe.spec import MoESpec as Spec
+
+    spec = Spec(E, K, INTER, False, (True,), scoring="topk_softmax", router_bias=True, expert_bias=True,
+                activation="swiglu_clamped", swiglu_limit=1.5, gpt_oss_layout=True)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = random_experts(5)
+    b13, b2 = torch.randn(E, 2 * INTER, generator=g), torch.randn(E, H, generator=g)
+    # transformers' layout: gate_up [E, H, 2I] with gate in the even columns, down [E, I, H].
+    hf_gate_up = torch.stack((w13[:, :INTER], w13[:, INTER:]), dim=2).reshape(E, 2 * INTER, H).transpose(1, 2)
+    hf_gate_up_bias = torch.stack((b13[:, :INTER], b13[:, INTER:]), dim=2).reshape(E, 2 * INTER)
+    x = torch.randn(13, H, generator=g) * 2
+    logits = torch.randn(13, E, generator=g)
+    weights, ids = reference_choice(logits, K, renormalize=False, scoring="topk_softmax")
+    got_w, got_ids = select_experts(logits, K, renormalize=False, scoring="topk_softmax")
+    assert torch.equal(got_ids, ids) and torch.allclose(got_w, weights)
+    want = reference_experts(x, weights, ids, w13, w2, spec=spec, b13=b13, b2=b2)
+    plain = reference_experts(x, weights, ids, w13, w2)
+    assert not torch.allclose(want, plain, atol=1e-3)
+    tensors = {
+        FUSED_GATE_UP: (hf_gate_up, hf_gate_up_bias),
+        FUSED_DOWN: (w2.transpose(1, 2).contiguous(), b2),
+    }
+    for ep in (False, True):
+        total = torch.zeros(13, H)
+        for rank in range(2):
+            shard = ExpertShard.of(spec, rank, 2, expert_parallel=ep)
+            experts = MoEExperts(spec, shard, H, dtype=torch.float32, device=torch.device("cpu"))
+            for shard_id, (weight, bias) in tensors.items():
+                experts.load(InMemorySource("w", weight), shard_id, is_bias=False)
+                experts.load(InMemorySource("b", bias), shard_id, is_bias=True)
+            total += experts(x, logits)
+        torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4)

@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 EOT, IM_START, IM_END = 509, 510, 511
 

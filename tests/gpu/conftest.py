@@ -92,6 +92,17 @@ MIXTRAL_SHAPE: dict[str, Any] = {
     "num_key_value_heads": 2,
     "head_dim": 128,
 }
+GPT_OSS_SHAPE: dict[str, Any] = {  # gpt-oss's head size and GQA, a window layer then a full one, top 4 of 8
+    "hidden_size": 1024,
+    "intermediate_size": 512,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "sliding_window": 32,
+}
 SHAPES = {
     "qwen3": QWEN3_SHAPE,
     "gemma3": GEMMA3_SHAPE,
@@ -100,6 +111,7 @@ SHAPES = {
     "qwen3_moe": QWEN3_MOE_SHAPE,
     "qwen2_moe": QWEN2_MOE_SHAPE,
     "mixtral": MIXTRAL_SHAPE,
+    "gpt_oss": GPT_OSS_SHAPE,
 }
 NEAR_TIE = 0.15  # nats
 
