@@ -43,10 +43,15 @@ class HarmonyChat:
     def prepare(self, job: GenerateJob) -> GenerateJob:
         """The job rendered and stopped as harmony; an OpenAIError (400) for what harmony cannot serve."""
         if job.sampling.structured_outputs is not None:
-            param = job.structured_param or "response_format"
+            # A forced tool call is a constraint too (job_builder.py names it "tools").
+            param = (
+                "tool_choice"
+                if job.structured_param == "tools"
+                else job.structured_param or "response_format"
+            )
             raise invalid_request(
-                f"{param} is not supported for this model: it writes its reply in the harmony format, "
-                "which an output constraint would break",
+                f"{param} cannot constrain this model's output: it writes its reply in the harmony "
+                "format, reasoning first, which a constraint from the first token would break",
                 param=param,
                 code="unsupported_parameter",
             )
