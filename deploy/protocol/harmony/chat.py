@@ -64,7 +64,8 @@ class HarmonyChat:
                 param="chat_template_kwargs.reasoning_effort",
             )
         stops = list(job.sampling.stop_token_ids or [])
-        stops += [t for t in self.tokens.stops if t not in stops]
+        if not job.sampling.ignore_eos:  # ignore_eos (benchmarks) runs to max_tokens, as for any model
+            stops += [t for t in self.tokens.stops if t not in stops]
         # tool_choice "none": the model is shown no functions, so it has none to call.
         shown = job.tool_mode is not None and job.tool_mode.choice != "none"
         return replace(

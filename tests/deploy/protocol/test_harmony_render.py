@@ -170,6 +170,7 @@ def test_prepare_sets_effort_stops_and_tools() -> None:
     job = harmony.prepare(job_of({"stop_token_ids": [5]}))
     assert job.chat_template_kwargs == {"reasoning_effort": "medium"}
     assert job.sampling.stop_token_ids == [5, *stops]
+    assert harmony.prepare(job_of({"ignore_eos": True})).sampling.stop_token_ids == []
     job = harmony.prepare(
         job_of({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}})
     )

@@ -194,3 +194,13 @@ def test_over_http() -> None:
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("content", "") for d in deltas) == "Sunny, 20°C — enjoy Paris."
     assert "".join(d.get("reasoning_content", "") for d in deltas).startswith("They want the weather")
+
+
+def test_each_choice_is_read_on_its_own() -> None:
+    service, _ = harmony_service(ANALYSIS + FINAL)
+    chunks = streamed(service, messages=[{"role": "user", "content": "x"}], n=2)
+    for index in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chunks[2:] if c["choices"][0]["index"] == index]
+        assert "".join(d.get("content", "") for d in deltas) == "Sunny, 20°C — enjoy Paris."
+    out = chat(service, n=2)
+    assert [c["message"]["content"] for c in out["choices"]] == ["Sunny, 20°C — enjoy Paris."] * 2
