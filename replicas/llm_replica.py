@@ -72,6 +72,7 @@ class LLMReplica:
         self.max_heartbeat_age_s = max_heartbeat_age_s
         self._watchdog = RankWatchdog(stuck_rank_timeout_s, idle_after_s=max_heartbeat_age_s)
         self.tokenizer: Any = None
+        self.model_type: str | None = None  # config.json's, once started
         self._decoder: TokenDecoder | None = None
         self.limits: RuntimeLimits | None = None
         self._group: RankGroup | None = None
@@ -132,7 +133,9 @@ class LLMReplica:
         model_dir = resolve_model_dir(self.model, weights=weights) if self.model else default_model_dir()
         engine = self.options.engine
         check_expert_split_of(model_dir, self.tp_size, expert_parallel=engine.enable_expert_parallel)
-        self.catalog = LoraCatalog(ModelConfig.from_dir(model_dir), engine.max_lora_rank, engine.enable_lora)
+        config = ModelConfig.from_dir(model_dir)
+        self.model_type = config.model_type  # the server picks the chat format by it (gpt-oss: harmony)
+        self.catalog = LoraCatalog(config, engine.max_lora_rank, engine.enable_lora)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._decoder = TokenDecoder(self.tokenizer)
         use_gpu = self._uses_gpu()

@@ -21,6 +21,7 @@ from tandem.cluster import placement
 from tandem.deploy.batch.actor_group import reserve_actor_group
 from tandem.deploy.generation.service import GenerationService
 from tandem.deploy.observability.metrics import NullMetrics
+from tandem.deploy.protocol.harmony.chat import HarmonyChat
 from tandem.replicas.llm_replica import LLMReplica
 from tandem.scheduler.sampling_params import SamplingParams
 
@@ -82,8 +83,13 @@ class EngineHost:
         except BaseException:
             self.close()
             raise
+        # A gpt-oss model's chats are rendered and read as harmony, as the server's are.
+        self.harmony = HarmonyChat.for_model(self.replica.model_type, self.replica.tokenizer)
+        template = spec.chat_template
+        if self.harmony is not None:
+            template = self.harmony.chat_template(template, self.replica.tokenizer)
         self.generation = GenerationService(
-            self.replica, NullMetrics(), vocab_size=self.replica.vocab_size, chat_template=spec.chat_template
+            self.replica, NullMetrics(), vocab_size=self.replica.vocab_size, chat_template=template
         )
 
     async def _warm_up(self) -> None:

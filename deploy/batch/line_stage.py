@@ -41,7 +41,9 @@ class LineStage(EngineStage):
         # rest wait here, unbounded (a batch job is all queue), instead of as streams in the replica.
         admission = Admission(ADMITTED_PER_RUNNING * replica.max_running, -1)
         backend = ReplicaBackend(self._host.generation, admission)
-        self._service = OpenAIService(backend, served_model_name, spec.model, limits=limits)
+        self._service = OpenAIService(
+            backend, served_model_name, spec.model, limits=limits, harmony=self._host.harmony
+        )
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         texts = batch.column("text").to_pylist()

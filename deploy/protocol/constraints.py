@@ -22,7 +22,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
-    "reasoning_effort": (),
     "verbosity": (),
     "metadata": ({},),
     "skip_special_tokens": (True,),

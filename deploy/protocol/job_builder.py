@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from tandem.deploy.protocol.constraints import check_supported, logit_bias, structured_outputs
 from tandem.deploy.protocol.errors import invalid_request
@@ -104,11 +105,18 @@ def chat_job(req: ChatCompletionRequest, request_id: str, arrival_time: float) -
         sampling=params,
         n=req.n,
         messages=[m.to_template_dict() for m in req.messages],
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=_template_kwargs(req),
         max_tokens=max_tokens,
         token_strings=req.logprobs,
         arrival_time=arrival_time,
     )
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The client's template variables, with `reasoning_effort` (the request field wins) among them."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
 
 
 def _tool_mode(req: ChatCompletionRequest) -> ToolMode | None:

@@ -185,6 +185,9 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, description="Optional participant name.")
     tool_calls: list[MessageToolCall] | None = Field(default=None, description="An assistant's calls.")
     tool_call_id: str | None = Field(default=None, description="The call a tool message answers.")
+    reasoning_content: str | None = Field(
+        default=None, description="An assistant's reasoning, as a reply gave it (templates that show it)."
+    )
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it (list content flattened to its text)."""
@@ -207,6 +210,8 @@ class ChatMessage(BaseModel):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

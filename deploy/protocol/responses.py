@@ -44,6 +44,7 @@ class ChoiceResult:
     index: int
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # what a harmony reply is read from
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     text_offsets: list[int] = field(default_factory=list)
@@ -58,6 +59,7 @@ class ChoiceResult:
             self.logprobs.extend(delta.logprobs)
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
+        self.token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 

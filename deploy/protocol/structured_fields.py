@@ -121,7 +121,11 @@ class ToolFields(BaseModel):
     modalities: list[str] | None = Field(default=None, description="Only ['text'].")
     prediction: dict[str, Any] | None = Field(default=None, description="Not supported.")
     web_search_options: dict[str, Any] | None = Field(default=None, description="Not supported.")
-    reasoning_effort: str | None = Field(default=None, description="Not supported.")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        default=None,
+        description="How long a reasoning model thinks: handed to the chat template; gpt-oss (harmony) "
+        "models default to medium.",
+    )
     verbosity: str | None = Field(default=None, description="Not supported.")
     add_generation_prompt: bool | None = Field(default=None, description="vLLM: only true.")
     continue_final_message: bool | None = Field(default=None, description="vLLM: only false.")

@@ -36,6 +36,7 @@ from tandem.deploy.protocol.errors import (
     model_not_found,
     unavailable,
 )
+from tandem.deploy.protocol.harmony.chat import HarmonyChat
 from tandem.deploy.protocol.job_builder import chat_job, completion_job
 from tandem.deploy.protocol.jobs import ChoiceDelta, GenerateJob, JobRejected
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
@@ -87,11 +88,13 @@ class OpenAIService:
         adapters: AdapterRegistry | None = None,
         announce: Announce | None = None,
         reasoning_parser: str | None = None,
+        harmony: HarmonyChat | None = None,
     ) -> None:
         self._backend = backend
         self._adapters = adapters
         self._announce = announce
         self._reasoning = reasoning_format(reasoning_parser)
+        self._harmony = harmony  # a gpt-oss model: chats are rendered and read as harmony
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
@@ -114,19 +117,23 @@ class OpenAIService:
             lora = await self._adapter(request)
             job = chat_job(request, f"chatcmpl-{uuid.uuid4().hex}", time.time())
             job = dataclasses.replace(job, lora=lora) if lora is not None else job
-            if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
-                job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
-            fmt = ChatFormat(
-                job.request_id,
-                self._model_named(request),
-                int(time.time()),
-                tools=job.tool_mode,
-                reasoning=self._reasoning,
-            )
+            job, fmt = self._chat_format(request, job)
             return await self._tracked(await self._run(request, job, fmt))
         except BaseException as exc:
             self.record_outcome(outcome_of_exception(exc))
             raise
+
+    def _chat_format(
+        self, request: ChatCompletionRequest, job: GenerateJob
+    ) -> tuple[GenerateJob, ChatFormat]:
+        """The job as the model's chat format runs it, and the format that reads its replies."""
+        model, created = self._model_named(request), int(time.time())
+        if self._harmony is not None:
+            return self._harmony.prepare(job), self._harmony.chat_format(job.request_id, model, created)
+        if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
+            job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
+        fmt = ChatFormat(job.request_id, model, created, tools=job.tool_mode, reasoning=self._reasoning)
+        return job, fmt
 
     async def answer(self, path: str, body: Any, *, allow_stream: bool = True) -> Response:
         """A JSON body for a route (`/v1/completions`, `/v1/chat/completions`), parsed and answered as the

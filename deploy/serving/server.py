@@ -38,6 +38,7 @@ from tandem.deploy.observability.lora_metrics import LoraMetrics
 from tandem.deploy.observability.metrics import ServingMetrics
 from tandem.deploy.observability.replica_metrics import ReplicaMetrics
 from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors
+from tandem.deploy.protocol.harmony.chat import HarmonyChat
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.routing.prefix_routing import ONGOING_STAT
 from tandem.deploy.serving.http import build_http_app
@@ -104,6 +105,10 @@ class LLMServer:
         )
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
+        # A gpt-oss model is always served in the harmony format (deploy/protocol/harmony).
+        harmony = HarmonyChat.for_model(getattr(self._replica, "model_type", None), self._replica.tokenizer)
+        if harmony is not None:
+            chat_template = harmony.chat_template(chat_template, self._replica.tokenizer)
         # Token ids are checked against the model's vocabulary before they can reach a rank.
         generation = GenerationService(
             self._replica, self._metrics, vocab_size=self._replica.vocab_size, chat_template=chat_template
@@ -136,6 +141,7 @@ class LLMServer:
             adapters=self._adapters,
             announce=backend.announce,
             reasoning_parser=reasoning_parser,
+            harmony=harmony,
         )
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes

@@ -1,0 +1,1 @@
+"""The harmony format of gpt-oss models: chats rendered as harmony, replies read back by channel."""
