@@ -74,7 +74,8 @@ class ProcessorConfig(BaseModel):
         size = engine.pop("tensor_parallel_size")
         if data.get("tp_size", size) != size:
             raise ValueError(
-                f"engine_kwargs.tensor_parallel_size={size!r} and tp_size={data['tp_size']!r} disagree: set one"
+                f"engine_kwargs.tensor_parallel_size={size!r} and tp_size={data['tp_size']!r} "
+                "disagree: set one"
             )
         return {**data, "engine_kwargs": engine, "tp_size": size}
 
