@@ -10,6 +10,7 @@ from tandem.deploy.cli.batch_command import add_batch_parser
 from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from tandem.deploy.cli.engine_flags import add_engine_flags
 from tandem.deploy.cli.serve_flags import add_vllm_app_flags
+from tandem.deploy.config.version import tandem_version
 
 BENCHMARKS = {
     "offline": "Offline throughput of the LLM API (nano-vllm workload), with ablations.",
@@ -23,16 +24,6 @@ BENCHMARKS = {
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def tandem_version() -> str:
-    """The installed distribution's version (the source tree's pyproject when run from a checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tandem")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
