@@ -89,8 +89,9 @@ class Tokenization:
         return str(self.tokenizer.decode(ids))
 
     def token_strs(self, ids: list[int]) -> list[str]:
-        """Each token's own text (its vocabulary entry), as vLLM's `return_token_strs` gives it."""
-        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+        """Each token's own text (its vocabulary entry), as vLLM's `return_token_strs` gives it; "" for an
+        id of the model's padded vocabulary that the tokenizer does not have."""
+        return [t if isinstance(t, str) else "" for t in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def info(self, max_model_len: int) -> dict[str, Any]:
         """vLLM's `/tokenizer_info`: the tokenizer's class, special tokens and the server's chat template,
