@@ -72,6 +72,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             lora_modules=app_args.lora_modules,
             lora_dynamic_path=app_args.lora_dynamic_path,
             reasoning_parser=app_args.reasoning_parser,
+            tool_call_parser=app_args.tool_call_parser,
+            enable_auto_tool_choice=app_args.enable_auto_tool_choice,
+            allowed_origins=app_args.allowed_origins,
         )
     )
     return with_route_ingress(app, app_args)

@@ -28,11 +28,16 @@ def option(
     gt: float | None = None,
     lt: float | None = None,
     user: bool = True,
+    vllm: str | None = None,
+    vllm_values: dict[str, Any] | None = None,
 ) -> Any:
     """A dataclass field with its user-facing doc and bounds. `user=False`: an internal knob (tests,
-    benchmarks) that the serve config does not offer."""
+    benchmarks) that the serve config does not offer. `vllm`: vLLM's name of the same option (its engine
+    argument, and `--flag-form` on the command line), which every entry point takes as well as tandem's;
+    `vllm_values`: vLLM's spellings of some of its values (e.g. dtype 'half'), as tandem's."""
     bounds = {k: v for k, v in (("ge", ge), ("le", le), ("gt", gt), ("lt", lt)) if v is not None}
-    return dataclasses.field(default=default, metadata={"doc": doc, "bounds": bounds, "user": user})
+    metadata = {"doc": doc, "bounds": bounds, "user": user, "vllm": vllm, "vllm_values": vllm_values or {}}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def check_fields(obj: Any) -> None:
@@ -85,6 +90,25 @@ def user_fields(cls: type) -> list[tuple[str, Any, dataclasses.Field[Any]]]:
     return [(f.name, hints[f.name], f) for f in dataclasses.fields(cls) if f.metadata.get("user")]
 
 
+def from_vllm(kwargs: dict[str, Any], *classes: type) -> dict[str, Any]:
+    """`kwargs` with vLLM's names and value spellings of the options of `classes` turned into tandem's;
+    a ValueError when an option is given two values under its two names (tandem's name at its default,
+    as the `LLM` constructor passes every keyword of its own, yields to vLLM's). Other keys pass through."""
+    out = dict(kwargs)
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            alias = f.metadata.get("vllm")
+            if alias and alias != f.name and alias in out:
+                value = out.pop(alias)
+                if out.get(f.name, f.default) not in (f.default, value):
+                    raise ValueError(f"{f.name} and vLLM's name for it, {alias}, are both set: set one")
+                out[f.name] = value
+            values = f.metadata.get("vllm_values") or {}
+            if f.name in out and isinstance(out[f.name], str):
+                out[f.name] = values.get(out[f.name], out[f.name])
+    return out
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """What the user asks of one rank's engine; "auto" and None leave the choice to the device."""
@@ -93,7 +117,10 @@ class EngineOptions:
         "auto", "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'.", user=False
     )  # the serve config and `LLM` take it at their top level
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU."
+        "auto",
+        "Weight and activation dtype; 'auto' is bfloat16 on GPU and float32 on CPU.",
+        vllm="dtype",
+        vllm_values={"half": "float16", "float": "float32"},
     )
     page_size: int | None = option(
         None, "Tokens per KV-cache page; unset picks the attention backend's default.", ge=1
@@ -102,30 +129,39 @@ class EngineOptions:
         None, "KV-cache pages per KV group; unset sizes the pool from free memory (GPU).", ge=1
     )
     mem_fraction: float = option(
-        0.85, "Fraction of GPU memory the engine may use for weights, graphs and the KV pool.", gt=0.0, lt=1.0
+        0.85,
+        "Fraction of GPU memory the engine may use for weights, graphs and the KV pool.",
+        gt=0.0,
+        lt=1.0,
+        vllm="gpu_memory_utilization",
     )
     quantization: Literal["fp8"] | None = option(
         None,
         "Weight quantization of a bf16/fp16 checkpoint: 'fp8' quantizes weights to float8_e4m3 with "
         "per-channel scales at load (dynamic per-token activations on GPU). FP8 checkpoints are "
         "recognised from their config.json without it.",
+        vllm="quantization",
     )
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = option(
         "auto",
         "KV-cache element type: 'auto' is the model dtype; 'fp8_e4m3' halves the cache's bytes, so the "
         "pool holds twice the tokens (flashinfer on GPU; per-layer scales from the checkpoint, else 1.0).",
+        vllm="kv_cache_dtype",
+        vllm_values={"fp8": "fp8_e4m3"},
     )
     enable_expert_parallel: bool = option(
         False,
         "Mixture-of-experts models: each of the tp_size ranks holds num_experts / tp_size whole experts "
         "(num_experts must divide by tp_size) instead of a 1/tp_size slice of every expert; attention "
         "stays tensor-parallel. No effect on dense models.",
+        vllm="enable_expert_parallel",
     )
     load_format: Literal["auto", "dummy"] = option(
         "auto",
         "'auto' reads the safetensors checkpoint; 'dummy' builds the model from config.json alone with "
         "random weights drawn on the device, reading no weights (benchmarks of shapes no disk holds). "
         "The tokenizer still comes from the model directory.",
+        vllm="load_format",
     )
     # GPU ablation switches (docs/tuning.md); the defaults are what runs in production.
     attention_backend: Literal["auto", "flashinfer", "torch"] = option(
@@ -172,12 +208,19 @@ class EngineOptions:
 
     # Multi-LoRA (engine/lora/): the GPU slots and the rank they are padded to.
     enable_lora: bool = option(
-        False, "Serve PEFT LoRA adapters on top of the base model (requests name one; batches mix them)."
+        False,
+        "Serve PEFT LoRA adapters on top of the base model (requests name one; batches mix them).",
+        vllm="enable_lora",
     )
     max_loras: int = option(
-        4, "Adapters one running batch may use at once: GPU slots of fixed buffers, loaded as needed.", ge=1
+        4,
+        "Adapters one running batch may use at once: GPU slots of fixed buffers, loaded as needed.",
+        ge=1,
+        vllm="max_loras",
     )
-    max_lora_rank: int = option(16, "Largest adapter rank served; every slot is sized for it.", ge=1, le=512)
+    max_lora_rank: int = option(
+        16, "Largest adapter rank served; every slot is sized for it.", ge=1, le=512, vllm="max_lora_rank"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

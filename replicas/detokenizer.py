@@ -18,6 +18,10 @@ from tokenizers.decoders import DecodeStream
 # Prompt ids that seed a request's stream, so its first output token decodes in context (a
 # SentencePiece "▁word" keeps its space after a prompt, as it would in the full text).
 PROMPT_CONTEXT_IDS = 4
+# A UTF-8 character is at most 4 bytes, so at most 3 ids (byte-level or byte-fallback tokens, one byte
+# each at worst) of an unfinished one end a prompt, and as many may open its context window.
+MAX_PARTIAL_IDS = 3
+_REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 
 class TokenDecoder:
@@ -54,8 +58,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._decoder = decoder
-        context = [t for t in prompt_ids[-PROMPT_CONTEXT_IDS:] if decoder.knows(t)]
+        context, partial = _prompt_seed(decoder, [t for t in prompt_ids if decoder.knows(t)])
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
+        for token_id in partial:
+            # The prompt ends inside a character: its bytes wait in the stream (nothing is released
+            # yet), and the output token that completes it releases the whole character.
+            self._stream.step(decoder.backend, token_id)
         self._stop = list(stop or ())
         self._held = ""
         self.text = ""  # everything released so far
@@ -91,6 +99,23 @@ class IncrementalDetokenizer:
         out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
+
+
+def _prompt_seed(decoder: TokenDecoder, prompt_ids: list[int]) -> tuple[list[int], list[int]]:
+    """(context, partial): the stream's seed, a few prompt ids that decode cleanly (no unfinished
+    character at either end, as vLLM seeds its stream), and the prompt's last ids after it when those end
+    inside a character. Seeded with such ids as context, the stream would count their bytes as already
+    released and hand the prompt's text out again with the first output token."""
+    tail = prompt_ids[-(PROMPT_CONTEXT_IDS + 2 * MAX_PARTIAL_IDS) :]
+    # Usually the first try decodes cleanly: one decode of a few ids per request.
+    for cut in range(len(tail), max(len(tail) - MAX_PARTIAL_IDS, 0) - 1, -1):
+        first = max(cut - PROMPT_CONTEXT_IDS, 0)
+        for start in range(first, max(first - MAX_PARTIAL_IDS, 0) - 1, -1):
+            text = decoder.backend.decode(tail[start:cut], skip_special_tokens=False)
+            if not text.endswith(_REPLACEMENT) and not text.startswith(_REPLACEMENT):
+                return tail[start:cut], tail[cut:]
+    # Text that really holds U+FFFD (or ids that decode to nothing): the last ids, as they are.
+    return prompt_ids[-PROMPT_CONTEXT_IDS:], []
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.options import EngineOptions, check_fields, option
+from tandem.engine.options import EngineOptions, check_fields, from_vllm, option
 
 
 @dataclass(frozen=True)
@@ -17,24 +17,36 @@ class RuntimeOptions:
     """The LLM options of ARCHITECTURE §6 plus the engine's; None means "pick for the device"."""
 
     chunk_size: int | None = option(
-        None, "Chunked-prefill token budget per step; unset picks the engine's default.", ge=1
+        None,
+        "Chunked-prefill token budget per step; unset picks the engine's default.",
+        ge=1,
+        vllm="max_num_batched_tokens",
     )
-    prefix_cache: bool = option(True, "Reuse KV pages across requests through the radix cache.")
+    prefix_cache: bool = option(
+        True, "Reuse KV pages across requests through the radix cache.", vllm="enable_prefix_caching"
+    )
     overlap: bool = option(
         True, "Run the overlap scheduler (build batch N+1 while batch N runs); False for ablation."
     )
     max_running: int | None = option(
-        None, "Most requests in one running batch; unset derives it from the device.", ge=1
+        None,
+        "Most requests in one running batch; unset derives it from the device.",
+        ge=1,
+        vllm="max_num_seqs",
     )
-    seed: int = option(0, "Seed of the sampler's generator, identical on every TP rank.", ge=0)
+    seed: int = option(0, "Seed of the sampler's generator, identical on every TP rank.", ge=0, vllm="seed")
     max_model_len: int | None = option(
-        None, "Longest prompt plus output in tokens; unset uses the model's own limit.", ge=1
+        None,
+        "Longest prompt plus output in tokens; unset uses the model's own limit.",
+        ge=1,
+        vllm="max_model_len",
     )
     max_cpu_loras: int | None = option(
         None,
         "LoRA adapters each rank keeps read in host memory (beyond those in GPU slots, which are reloaded "
         "from it); unset: twice max_loras.",
         ge=1,
+        vllm="max_cpu_loras",
     )
     guard_inflight_pages: bool = option(
         False, "Check that no page in use by a running step is handed out again (debugging).", user=False
@@ -57,7 +69,9 @@ class RuntimeOptions:
     @classmethod
     def of(cls, **kwargs: Any) -> RuntimeOptions:
         """From one flat set of keywords (the `LLM` constructor's, a serve config's `engine:` block):
-        the scheduler's own fields here, the rest into `EngineOptions`; an unknown name is a TypeError."""
+        the scheduler's own fields here, the rest into `EngineOptions`; vLLM's names of them are taken
+        too (`max_num_seqs`, ...); an unknown name is a TypeError."""
+        kwargs = from_vllm(kwargs, cls, EngineOptions)
         own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
         engine = {f.name for f in dataclasses.fields(EngineOptions)}
         unknown = sorted(set(kwargs) - own - engine)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tandem.deploy.adapters.fetch import join, local_dir
-from tandem.deploy.protocol.errors import adapter_not_found, invalid_request, model_not_found
+from tandem.deploy.protocol.errors import OpenAIError, adapter_not_found, invalid_request, model_not_found
 from tandem.deploy.protocol.model_names import parse_model
 from tandem.scheduler.messages import LoRARequest
 
@@ -116,15 +116,19 @@ class AdapterRegistry:
             return None
         assert model is not None
         if not self.enabled:
-            raise model_not_found(model, self.served)
+            raise self.not_found(model)
         if name not in self._sources:
             if not (parsed.qualified and self._dynamic is not None):
-                raise model_not_found(model, self.served)
+                raise self.not_found(model)
             await self._discover(name, model)
         self.requests[name] = self.requests.get(name, 0) + 1
         if self._on_request is not None:
             self._on_request(name)
         return await self.hold(name)
+
+    def not_found(self, model: str) -> OpenAIError:
+        """The 404 for a `model` this server does not serve, naming the base model and its adapters."""
+        return model_not_found(model, self.served, list(self._sources), self._dynamic is not None)
 
     async def hold(self, name: str) -> LoRARequest:
         """Hold `name` on this replica (through Serve's multiplexing where it runs) and return it."""
@@ -143,13 +147,13 @@ class AdapterRegistry:
         try:
             local = await asyncio.to_thread(local_dir, source, self._cache)
         except FileNotFoundError:
-            raise model_not_found(model, self.served) from None
+            raise self.not_found(model) from None
         except (OSError, ImportError, ValueError) as exc:
             raise invalid_request(
                 f"the LoRA adapter at {source!r} cannot be read: {exc}", param="model"
             ) from None
         if not local.is_dir():
-            raise model_not_found(model, self.served)
+            raise self.not_found(model)
         await self._check(str(local), "model")
         self._sources.setdefault(name, source)
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tandem.engine.options import EngineOptions, from_vllm
 from tandem.scheduler.options import RuntimeOptions
 
-# Set through the config's own fields, never through engine_kwargs.
-_OWN_FIELDS = {"device": "device", "tp_size": "tp_size", "tensor_parallel_size": "tp_size"}
+# Set through the config's own fields, never through engine_kwargs (vLLM's tensor_parallel_size is
+# moved to tp_size, as ray.data.llm's configs pass it there).
+_OWN_FIELDS = {"device": "device", "tp_size": "tp_size"}
 
 
 class ProcessorConfig(BaseModel):
@@ -45,7 +47,8 @@ class ProcessorConfig(BaseModel):
     )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Engine options, as for the offline `LLM` constructor (max_running, chunk_size, ...).",
+        description="Engine options, as for the offline `LLM` constructor (max_running, chunk_size, ...), "
+        "or under vLLM's names as ray.data.llm passes them (max_num_seqs, tensor_parallel_size, ...).",
     )
     chat_template: str | None = Field(
         default=None, min_length=1, description="A Jinja chat template file, or the template itself."
@@ -60,6 +63,21 @@ class ProcessorConfig(BaseModel):
         default=None, min_length=1, description="Ray accelerator type (e.g. 'H100') the GPU bundles need."
     )
     runtime_env: dict[str, Any] | None = Field(default=None, description="Ray runtime_env of the actors.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensor_parallel_size(cls, data: Any) -> Any:
+        engine = data.get("engine_kwargs") if isinstance(data, dict) else None
+        if not isinstance(engine, dict) or "tensor_parallel_size" not in engine:
+            return data
+        engine = dict(engine)
+        size = engine.pop("tensor_parallel_size")
+        if data.get("tp_size", size) != size:
+            raise ValueError(
+                f"engine_kwargs.tensor_parallel_size={size!r} and tp_size={data['tp_size']!r} "
+                "disagree: set one"
+            )
+        return {**data, "engine_kwargs": engine, "tp_size": size}
 
     @field_validator("concurrency")
     @classmethod
@@ -79,6 +97,8 @@ class ProcessorConfig(BaseModel):
             fields = ", ".join(f"{k} -> ProcessorConfig.{_OWN_FIELDS[k]}" for k in misplaced)
             raise ValueError(f"set these as ProcessorConfig fields, not engine_kwargs: {fields}")
         try:
+            # vLLM's names (max_num_seqs, enable_prefix_caching, ...) become tandem's here.
+            kwargs = from_vllm(kwargs, RuntimeOptions, EngineOptions)
             RuntimeOptions.of(**kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(str(exc)) from None

@@ -12,7 +12,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from tandem.deploy.batch.config import ProcessorConfig
+from tandem.deploy.cli.engine_flags import add_engine_flags, engine_overrides
 from tandem.engine.environment import ray_address
+from tandem.engine.options import EngineOptions, from_vllm
+from tandem.scheduler.options import RuntimeOptions
 
 
 def add_batch_parser(commands: Any) -> None:
@@ -33,7 +36,14 @@ def add_batch_parser(commands: Any) -> None:
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="Device of the ranks."
     )
     batch.add_argument("--concurrency", type=_positive_int, default=1, help="Engine actors (default 1).")
-    batch.add_argument("--tp-size", type=_positive_int, default=1, help="GPUs per engine (default 1).")
+    batch.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=_positive_int,
+        default=None,
+        help="GPUs per engine (default 1, or tensor_parallel_size in --engine-kwargs).",
+    )
     batch.add_argument("--batch-size", type=_positive_int, default=64, help="Lines per batch (default 64).")
     batch.add_argument(
         "--max-concurrent-batches",
@@ -49,22 +59,29 @@ def add_batch_parser(commands: Any) -> None:
         help="Engine options as JSON, e.g. '{\"max_model_len\": 4096}'.",
     )
     batch.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, or a `ray start` one).")
+    add_engine_flags(batch)  # vLLM's run-batch engine flags: --max-model-len, --max-num-seqs, ...
 
 
 def run_batch(args: argparse.Namespace) -> int:
+    given = {"tp_size": args.tp_size} if args.tp_size is not None else {}
     try:
+        # The flags win over --engine-kwargs, option by option (vLLM's names there read as tandem's).
+        engine = {**from_vllm(args.engine_kwargs, RuntimeOptions, EngineOptions), **engine_overrides(args)}
         config = ProcessorConfig(
             model_source=args.model,
             concurrency=args.concurrency,
-            tp_size=args.tp_size,
             device=args.device,
             batch_size=args.batch_size,
             max_concurrent_batches=args.max_concurrent_batches,
             chat_template=args.chat_template,
-            engine_kwargs=args.engine_kwargs,
+            engine_kwargs=engine,
+            **given,
         )
     except ValidationError as exc:
         print(f"tandem batch: {_first_error(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # one option under both of its names, with two values
+        print(f"tandem batch: engine_kwargs: {exc}", file=sys.stderr)
         return 2
     from tandem.deploy.batch.batch_file import readable_uri, run_batch_file
 

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 from tandem.deploy.cli.batch_command import add_batch_parser
 from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.cli.engine_flags import add_engine_flags
+from tandem.deploy.cli.serve_flags import add_vllm_app_flags
+from tandem.deploy.config.version import tandem_version
 
 BENCHMARKS = {
     "offline": "Offline throughput of the LLM API (nano-vllm workload), with ablations.",
@@ -23,16 +26,6 @@ BENCHMARKS = {
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def tandem_version() -> str:
-    """The installed distribution's version (the source tree's pyproject when run from a checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("tandem")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="An LLM serving cluster on Ray.")
     parser.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
@@ -46,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Defaults of None mean "not given", so values from --config are only overridden by explicit flags.
     serve.add_argument("--model", help="Hugging Face hub id or local model directory.")
-    serve.add_argument("--tp", type=_positive_int, help="Tensor-parallel degree (GPUs per replica).")
+    serve.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=_positive_int,
+        help="Tensor-parallel degree (GPUs per replica).",
+    )
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Device of the rank actors.")
     serve.add_argument("--served-model-name", help="Model name clients use (default: --model).")
     serve.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1).")
@@ -86,20 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
         "before they end with an error (default 30); new requests get 503 meanwhile.",
     )
-    serve.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        default=None,
-        help="Mixture-of-experts models: each rank holds num_experts / --tp whole experts instead of a "
-        "slice of every expert (engine.enable_expert_parallel).",
-    )
-    serve.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default=None,
-        help="'dummy': random weights from config.json alone, no checkpoint read, for benchmarks "
-        "(engine.load_format; default auto).",
-    )
     lora = serve.add_argument_group("LoRA adapters (vLLM's flags; docs/serve-config.md#lora-adapters)")
     lora.add_argument(
         "--lora-modules",
@@ -109,10 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEFT adapters to serve by name (a local directory or a URI each); requests name one as "
         "their `model`. Turns LoRA on.",
     )
-    lora.add_argument("--enable-lora", action="store_true", default=None, help="Serve LoRA adapters.")
-    lora.add_argument("--max-loras", type=_positive_int, help="Adapters in one running batch (GPU slots).")
-    lora.add_argument("--max-lora-rank", type=_positive_int, help="Largest adapter rank served.")
-    lora.add_argument("--max-cpu-loras", type=_positive_int, help="Adapters each rank keeps in host memory.")
     lora.add_argument(
         "--lora-dynamic-path",
         default=None,
@@ -137,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "replicas, or Serve's Python proxy; 'auto' (default) takes HAProxy when its binary is found "
         "(docs/serve-config.md#ingress).",
     )
+
+    add_vllm_app_flags(serve)
+    add_engine_flags(serve)  # --max-num-seqs, --enable-lora, ...: from the engine's options
 
     add_batch_parser(commands)
 

@@ -22,7 +22,9 @@ import yaml
 
 from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_HOST, DEFAULT_PORT, IMPORT_PATH
+from tandem.deploy.cli.engine_flags import engine_overrides
 from tandem.deploy.cli.processes import ProcessTree, port_holder, stop_processes_naming
+from tandem.deploy.cli.serve_flags import app_overrides
 from tandem.deploy.config.args import AppArgs
 from tandem.deploy.guards.shutdown import (
     DEFAULT_DRAIN_GRACE_S,
@@ -36,6 +38,8 @@ from tandem.deploy.routing.ingress_mode import (
     resolve_ingress,
 )
 from tandem.engine.environment import ray_address, serve_host
+from tandem.engine.options import EngineOptions, from_vllm
+from tandem.scheduler.options import RuntimeOptions
 
 DEPLOY_TIMEOUT_S = 3600.0  # large models download and load for a long time; progress shows it is alive
 
@@ -58,28 +62,12 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
     name, route_prefix = None, "/"
     if args.config:
         app_args, http, name, route_prefix = _read_config(Path(args.config), args.name)
-    overrides = {"model": args.model, "tp_size": args.tp, "device": args.device}
-    overrides["served_model_name"] = args.served_model_name
-    overrides["api_key"] = getattr(args, "api_key", None)
-    overrides["chat_template"] = getattr(args, "chat_template", None)
-    overrides["lora_modules"] = getattr(args, "lora_modules", None)
-    overrides["lora_dynamic_path"] = getattr(args, "lora_dynamic_path", None)
-    overrides["reasoning_parser"] = getattr(args, "reasoning_parser", None)
-    app_args.update({k: v for k, v in overrides.items() if v is not None})
-    engine = {
-        k: getattr(args, k, None)
-        for k in (
-            "enable_expert_parallel",
-            "load_format",
-            "enable_lora",
-            "max_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-        )
-    }
-    engine = {k: v for k, v in engine.items() if v is not None}
+    app_args.update(app_overrides(args))
+    engine = engine_overrides(args)
     if engine:  # flags override the config's engine block, field by field
-        app_args["engine"] = {**(app_args.get("engine") or {}), **engine}
+        block = app_args.pop("engine", None) or app_args.pop("engine_kwargs", None) or {}
+        # The config's block may use vLLM's names; the flags give tandem's, which then win.
+        app_args["engine"] = {**from_vllm(dict(block), RuntimeOptions, EngineOptions), **engine}
     return ServePlan(
         app_args=AppArgs.model_validate(app_args),
         name=args.name or name or DEFAULT_APP_NAME,
@@ -135,7 +123,10 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # Serve's controller, proxies and HAProxy log at this level; so do the app's replicas (their
         # access log lines are INFO).
-        logging_config = {"log_level": log_level}
+        logging_config = {
+            "log_level": log_level,
+            "enable_access_log": not getattr(args, "disable_log_requests", False),
+        }
         serve.start(http_options={"host": plan.host, "port": plan.port}, logging_config=logging_config)
         serve._run(
             build_app(plan.app_args),

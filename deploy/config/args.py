@@ -115,14 +115,18 @@ class AppArgs(BaseModel):
         f"(or '{TINY_MODEL_NAME}' for the demo model).",
     )
     tp_size: int = Field(
-        default=1, ge=1, description="Tensor-parallel degree: GPUs (rank actors) per replica."
+        default=1,
+        ge=1,
+        description="Tensor-parallel degree: GPUs (rank actors) per replica; vLLM's "
+        "tensor_parallel_size is taken too, here or in the engine block.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Device of the rank actors; 'auto' picks CUDA when present."
     )
     engine: EngineArgs = Field(
         default_factory=EngineArgs,
-        description="Engine options, as for the offline `LLM` constructor.",
+        description="Engine options, as for the offline `LLM` constructor, under tandem's names or vLLM's "
+        "(max_num_seqs, enable_prefix_caching, ...); `engine_kwargs` is taken as its name too.",
     )
     num_replicas: int | None = Field(
         default=None,
@@ -190,6 +194,22 @@ class AppArgs(BaseModel):
         description="A Jinja chat template file, or the template itself, replacing the tokenizer's. "
         "Clients can never choose the template.",
     )
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description="Origins a browser may call the API from (CORS), as vLLM's --allowed-origins: ['*'] "
+        "(the default, as vLLM's) is any; [] sends no CORS headers. Preflights (OPTIONS) are answered "
+        "before the API key is checked; the request that follows still needs it.",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description="The format of the model's tool calls under tool_choice 'auto' (vLLM's "
+        "--tool-call-parser); unset tries each format tandem parses.",
+    )
+    enable_auto_tool_choice: bool = Field(
+        default=True,
+        description="Parse the model's own tool calls under tool_choice 'auto' (vLLM's "
+        "--enable-auto-tool-choice; on unless set false, when 'auto' with tools gets 400).",
+    )
     # -- LoRA adapters (docs/serve-config.md#lora-adapters) -----------------------------------------
     lora_modules: dict[str, str] | None = Field(
         default=None,
@@ -217,6 +237,27 @@ class AppArgs(BaseModel):
         description="A rank that has work but has not finished a step for this long fails the replica's "
         "health, and its requests end with an error.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, data: Any) -> Any:
+        """vLLM's and Ray Serve LLM's spellings: `engine_kwargs` for `engine`, and
+        `tensor_parallel_size` (there or at the top) for `tp_size`."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "engine_kwargs" in data:
+            if "engine" in data:
+                raise ValueError("engine and engine_kwargs are both set: set one")
+            data["engine"] = data.pop("engine_kwargs")
+        engine = data.get("engine")
+        if isinstance(engine, dict) and "tensor_parallel_size" in engine:
+            engine = dict(engine)
+            data["engine"] = engine
+            _move(engine, "tensor_parallel_size", data, "tp_size")
+        if "tensor_parallel_size" in data:
+            _move(data, "tensor_parallel_size", data, "tp_size")
+        return data
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -287,6 +328,14 @@ class AppArgs(BaseModel):
             if self.accelerator_type is not None:
                 bundle[f"accelerator_type:{self.accelerator_type}"] = 0.001
         return bundle
+
+
+def _move(source: dict[str, Any], key: str, target: dict[str, Any], name: str) -> None:
+    """`source[key]` to `target[name]`; a ValueError when `target` holds another value there already."""
+    value = source.pop(key)
+    if name in target and target[name] != value:
+        raise ValueError(f"{key}={value!r} and {name}={target[name]!r} disagree: set one")
+    target[name] = value
 
 
 def _lora_module(entry: Any) -> tuple[str, str]:

@@ -1,16 +1,31 @@
 """Pydantic models generated from the option dataclasses, so the serve config declares nothing twice.
 
 Each user option of `RuntimeOptions` and `EngineOptions` (engine/options.py) becomes a field with the
-dataclass's type (Literal choices included), default, bounds and doc; unknown keys are rejected.
+dataclass's type (Literal choices included), default, bounds and doc; vLLM's name of an option is taken
+as well as tandem's (`max_num_seqs` for `max_running`, ...), and vLLM's spellings of its values
+(`dtype: half`); unknown keys are rejected.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from tandem.engine.options import user_fields
+from tandem.engine.options import from_vllm, user_fields
+
+
+class _OptionsBase(BaseModel):
+    """The generated models' base: unknown keys refused, vLLM's names read as tandem's."""
+
+    model_config = ConfigDict(extra="forbid")
+    option_classes: ClassVar[tuple[type, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, data: Any) -> Any:
+        # vLLM's value spellings, and one value per option whichever of its names it came under.
+        return from_vllm(data, *cls.option_classes) if isinstance(data, dict) else data
 
 
 def options_model(name: str, *classes: type) -> type[BaseModel]:
@@ -22,5 +37,6 @@ def options_model(name: str, *classes: type) -> type[BaseModel]:
                 raise TypeError(f"option {field_name!r} is declared twice")
             meta = f.metadata
             fields[field_name] = (hint, Field(default=f.default, description=meta["doc"], **meta["bounds"]))
-    model: type[BaseModel] = create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+    model: type[_OptionsBase] = create_model(name, __base__=_OptionsBase, **fields)
+    model.option_classes = classes
     return model

@@ -32,6 +32,7 @@ class ReplicaBackend:
         deployment_handle: Callable[[], Any] | None = None,
     ) -> None:
         self._service = service
+        self.generation = service  # the tokenizer routes use its tokenization directly
         self._admission = admission
         self._deployment_handle = deployment_handle
         self._handle: Any = None

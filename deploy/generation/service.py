@@ -9,25 +9,27 @@ its KV pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tandem.deploy.generation.job_run import JobRun, Submitter
+from tandem.deploy.generation.tokenization import Rejected, Tokenization
 from tandem.deploy.observability.metrics import MetricsSink
 from tandem.deploy.protocol.errors import unavailable
 from tandem.deploy.protocol.job_builder import choice_sampling
 from tandem.deploy.protocol.jobs import GenerateJob, JobAccepted, JobRejected
 from tandem.deploy.protocol.logprobs import TokenStrings
-from tandem.deploy.protocol.templates import forbidden_template_kwargs
 from tandem.scheduler.sampling_params import SamplingParams
 
 # Inputs up to this many characters are tokenized (and chat templates rendered) on the event loop: that
 # takes microseconds, less than a hop to a thread and back. Longer ones go to the tokenizer thread, so a
 # large prompt never stalls the other requests' streams.
 INLINE_TOKENIZE_CHARS = 4096
+T = TypeVar("T")
 
 
 class ReplicaLike(Submitter, Protocol):
@@ -49,14 +51,6 @@ class ReplicaLike(Submitter, Protocol):
         ...
 
 
-class Rejected(Exception):
-    """A job the model cannot take; becomes a `JobRejected` event."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.event = JobRejected(message, param, code)
-
-
 @dataclass
 class _Choice:
     index: int
@@ -76,13 +70,12 @@ class GenerationService:
         chat_template: str | None = None,
     ) -> None:
         self._replica = replica
-        self._chat_template = chat_template  # None: the tokenizer's own
         # One thread: requests' tokenizing runs in order off the loop, and the tokenizer, which is not
         # documented as thread-safe, is never used by two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-tokenize")
         self._metrics = metrics
-        self._tokenizer = replica.tokenizer
         self._vocab_size = vocab_size if vocab_size is not None else len(replica.tokenizer)
+        self.tokenization = Tokenization(replica.tokenizer, chat_template, self._vocab_size)
         self._token_strings = TokenStrings(replica.tokenizer)
         self._single_tokens: dict[str, int | None] = {}  # tag text -> its token id, if it is one token
 
@@ -135,7 +128,7 @@ class GenerationService:
 
     def _single_token(self, text: str) -> int | None:
         if text not in self._single_tokens:
-            ids = self._encode(text, "messages", add_special_tokens=False)
+            ids = self.tokenization.encode(text, "messages", add_special_tokens=False)
             self._single_tokens[text] = ids[0] if len(ids) == 1 else None
         return self._single_tokens[text]
 
@@ -152,10 +145,7 @@ class GenerationService:
                 raise Rejected(f"{param} cannot be used: {problem}", param)
 
     async def _tokenize(self, job: GenerateJob) -> list[list[int]]:
-        if _input_chars(job) <= INLINE_TOKENIZE_CHARS:
-            return self._prompt_ids(job)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_thread, self._prompt_ids, job)
+        return await self.off_loop(_input_chars(job), self._prompt_ids, job)
 
     def _prompt_ids(self, job: GenerateJob) -> list[list[int]]:
         if job.messages is not None:
@@ -163,52 +153,36 @@ class GenerationService:
         prompts: list[list[int]] = []
         for i, prompt in enumerate(job.prompts or []):
             param = "prompt" if len(job.prompts or []) == 1 else f"prompt.{i}"
-            ids = self._encode(prompt, param) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenization.encode(prompt, param) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise Rejected("the prompt is empty (no tokens)", param)
-            bad = [t for t in ids if not 0 <= t < self._vocab_size]
-            if bad:
-                raise Rejected(f"token ids must lie in [0, {self._vocab_size}), got {bad[:3]}", param)
+            self.tokenization.check_ids(ids, param)
             prompts.append(ids)
         return prompts
 
     def _render_chat(self, job: GenerateJob) -> list[int]:
-        extra = dict(job.chat_template_kwargs or {})
-        clash = forbidden_template_kwargs(extra)
-        if clash:  # the protocol refuses these already; a job built elsewhere must not get through
-            raise Rejected(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
-        try:
-            if job.tools:
-                extra["tools"] = job.tools
-            text = self._tokenizer.apply_chat_template(
-                job.messages,
-                chat_template=self._chat_template,
-                tokenize=False,
-                add_generation_prompt=True,
-                **extra,
-            )
-        except Exception as exc:  # a template raising on odd input is the client's 400, not our 500
-            raise Rejected(f"the chat template failed on these messages: {exc}", "messages") from None
-        # The template writes any BOS itself; adding special tokens again would double it.
-        ids = self._encode(str(text), "messages", add_special_tokens=False)
-        if not ids:
-            raise Rejected("the rendered chat prompt is empty", "messages")
-        return ids
+        assert job.messages is not None
+        return self.tokenization.render_chat(
+            job.messages, tools=job.tools, template_kwargs=job.chat_template_kwargs
+        )
 
-    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            # JSON may escape a lone surrogate ("\ud83e"): a Python str, but not Unicode text, and the
-            # tokenizer raises a TypeError on it. That is the client's 400, not our 500.
-            raise Rejected(
-                f"the text is not valid Unicode ({exc.reason} at character {exc.start})", param
-            ) from None
-        return list(self._tokenizer.encode(text, **kwargs))
+    @property
+    def max_model_len(self) -> int:
+        return self._replica.max_model_len
+
+    async def off_loop(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the tokenizer thread when the input is long (`chars`), else inline."""
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     def _choices(self, job: GenerateJob, prompts: list[list[int]]) -> list[_Choice]:
         choices: list[_Choice] = []
         for p, ids in enumerate(prompts):
+            prompt_param = "messages" if job.messages is not None else "prompt"
+            if len(prompts) > 1:
+                prompt_param = f"prompt.{p}"
             max_tokens = job.max_tokens
             if max_tokens is None:
                 max_tokens = self._replica.max_model_len - len(ids)
@@ -216,12 +190,14 @@ class GenerationService:
                     raise Rejected(
                         f"the prompt has {len(ids)} tokens, which fills the context length of "
                         f"{self._replica.max_model_len} tokens",
-                        "messages" if job.messages is not None else "prompt",
+                        prompt_param,
                         "context_length_exceeded",
                     )
             reason = self._replica.admission_error(len(ids), max_tokens)
             if reason is not None:
-                raise Rejected(reason, "max_tokens", "context_length_exceeded")
+                # The prompt is at fault when it leaves no room for even one token; max_tokens otherwise.
+                alone = self._replica.admission_error(len(ids), 1) is not None
+                raise Rejected(reason, prompt_param if alone else "max_tokens", "context_length_exceeded")
             for i in range(job.n):
                 index = p * job.n + i
                 sampling = choice_sampling(job, index, max_tokens)

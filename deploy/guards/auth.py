@@ -1,9 +1,11 @@
-"""API keys: `/v1/*` needs `Authorization: Bearer <key>` once any key is configured.
+"""API keys: `/v1/*` and vLLM's tokenizer routes (`/tokenize`, `/detokenize`, `/tokenizer_info`) need
+`Authorization: Bearer <key>` once any key is configured.
 
 Keys come from `api_key` (the app arg or `--api-key`, one or several) and `TANDEM_API_KEY` (comma
-separated). `/health`, `/metrics` and the OpenAPI docs stay open: probes and scrapers carry no key, and
-none of them runs the model. The check is an ASGI middleware around the replica's FastAPI app, so it
-covers both ingresses (Serve's proxy and HAProxy's direct ingress reach the same app).
+separated). `/health`, `/ping`, `/version`, `/metrics` and the OpenAPI docs stay open: probes and
+scrapers carry no key, and none of them runs the model or its tokenizer. The check is an ASGI
+middleware around the replica's FastAPI app, so it covers both ingresses (Serve's proxy and HAProxy's
+direct ingress reach the same app).
 
 The handle API (`DeploymentHandle` calls) is not checked: a handle only exists inside the Ray cluster,
 where a caller can already run any code on the replicas' nodes. Keep the cluster's ports private
@@ -22,6 +24,7 @@ from tandem.deploy.protocol.errors import OpenAIError
 from tandem.engine.environment import api_keys_from_env
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class ApiKeys:
@@ -68,7 +71,7 @@ def authentication_error(message: str) -> OpenAIError:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 (OpenAI's shape) to a `/v1/*` request without a valid bearer key; passes the rest."""
+    """Answers 401 (OpenAI's shape) to a protected request without a valid bearer key; passes the rest."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
@@ -110,4 +113,4 @@ def _protected(scope: Scope) -> bool:
     root: str = scope.get("root_path", "")
     if root and path.startswith(root):  # mounted under a route prefix: check the app's own route
         path = path[len(root) :]
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_ROUTES

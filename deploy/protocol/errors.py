@@ -56,13 +56,23 @@ def invalid_request(message: str, *, param: str | None = None, code: str = "inva
     return OpenAIError(400, message, param=param, code=code)
 
 
-def model_not_found(model: str, served: str) -> OpenAIError:
-    return OpenAIError(
-        404,
-        f"The model '{model}' does not exist; this server serves '{served}'.",
-        param="model",
-        code="model_not_found",
-    )
+MAX_NAMES_SHOWN = 20  # a 404 lists this many adapters at most, then says how many more
+
+
+def model_not_found(
+    model: str, served: str, adapters: Sequence[str] = (), dynamic: bool = False
+) -> OpenAIError:
+    """OpenAI's 404 for an unknown `model`, naming what this server does serve: the base model, its LoRA
+    adapters, and (`dynamic`) that `<served>:<name>` loads one from its adapter folder."""
+    names = [f"'{name}'" for name in [served, *adapters][: MAX_NAMES_SHOWN + 1]]
+    more = len(adapters) + 1 - len(names)
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    message = f"The model '{model}' does not exist; this server serves {listed}"
+    if more > 0:
+        message += f" and {more} more (GET /v1/models lists them)"
+    if dynamic:
+        message += f", and '{served}:<name>' for an adapter in its adapter folder"
+    return OpenAIError(404, message + ".", param="model", code="model_not_found")
 
 
 def adapter_not_found(name: str) -> OpenAIError:
@@ -128,12 +138,13 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
 
 
 def unrecognized_fields(errors: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The body's top-level fields that no request model declares, in the order they came."""
+    """The body's fields that no request model declares, in the order they came: top-level names, and
+    dotted paths in nested objects (`stream_options.foo`, `tools.0.function.foo`)."""
     names: list[str] = []
     for error in errors:
-        path = _field_path(error)
-        if error.get("type") == "extra_forbidden" and len(path) == 1 and path[0] not in names:
-            names.append(path[0])
+        name = ".".join(_field_path(error))
+        if error.get("type") == "extra_forbidden" and name and name not in names:
+            names.append(name)
     return names
 
 
@@ -146,12 +157,15 @@ def unrecognized(names: Sequence[str]) -> OpenAIError:
 
 
 def _field_path(error: Mapping[str, Any]) -> list[str]:
-    # Union members add their type name to `loc` (e.g. "prompt.str"); keep the user's field path only.
+    # Union members add their type name to `loc` (e.g. "prompt.str", "tool_choice.NamedToolChoice.x");
+    # keep the user's field path only. The last part is always the user's (an unknown key, say).
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    return [part for part in loc if not _is_type_tag(part)]
+    return [part for i, part in enumerate(loc) if i == len(loc) - 1 or not _is_type_tag(part)]
 
 
 def _is_type_tag(part: str) -> bool:
+    if part[:1].isupper() and part.isidentifier():  # a model class: request fields are snake_case
+        return True
     return part in {"str", "int", "float", "bool", "list[str]", "list[int]", "dict"} or part.startswith(
         ("list[", "function-", "constrained-", "json-or-python")
     )

@@ -8,8 +8,10 @@ A top-level field the request models do not declare is a 400 naming every such f
 answers ("Unrecognized request argument supplied: max_token"): a misspelt `max_token` must not be dropped
 in silence. The vLLM extensions tandem accepts are declared fields, listed in `VLLM_EXTENSIONS`. OpenAI
 fields we know but do not implement are declared too (structured_fields.py) and refused when set to
-anything but their neutral value. Nested objects (messages, tools, response_format) ignore unknown keys,
-since SDKs send back the assistant messages they received, with keys such as `refusal` or `annotations`.
+anything but their neutral value. The nested objects a client writes (stream_options, response_format,
+structured_outputs, tools, tool_choice) refuse unknown keys the same way, named by their path
+(`stream_options.foo`); messages ignore them, since SDKs send back the assistant messages they received,
+with keys such as `refusal` or `annotations`.
 """
 
 from __future__ import annotations
@@ -64,10 +66,14 @@ VLLM_EXTENSIONS: tuple[str, ...] = (
 
 
 class StreamOptions(BaseModel):
-    model_config = _CONFIG
+    model_config = _BODY_CONFIG
 
     include_usage: bool = Field(
         default=False, description="Send a last chunk with `usage` and no choices before `[DONE]`."
+    )
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM's: with include_usage, every chunk carries the usage so far (not null).",
     )
 
 
@@ -107,6 +113,15 @@ class SamplingFields(StructuredFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`, which takes effect with include_usage."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(SamplingFields):
@@ -215,6 +230,21 @@ class ChatMessage(BaseModel):
         return message
 
 
+def checked_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A client's `chat_template_kwargs`, or a ValueError: none may change the template or how it is
+    applied, and each value is plain JSON."""
+    if kwargs:
+        forbidden = forbidden_template_kwargs(kwargs)
+        if forbidden:
+            raise ValueError(f"chat_template_kwargs may not set {forbidden}: the server picks the template")
+        key = non_json_template_value(kwargs)
+        if key is not None:
+            raise ValueError(
+                f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, string, list or object)"
+            )
+    return kwargs
+
+
 def _arguments(call: MessageToolCall) -> Any:
     try:
         return json.loads(call.function.arguments)
@@ -244,19 +274,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_stays_the_servers(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        if kwargs:
-            forbidden = forbidden_template_kwargs(kwargs)
-            if forbidden:
-                raise ValueError(
-                    f"chat_template_kwargs may not set {forbidden}: the server picks the template"
-                )
-            key = non_json_template_value(kwargs)
-            if key is not None:
-                raise ValueError(
-                    f"chat_template_kwargs.{key} must be plain JSON (null, bool, number, "
-                    "string, list or object)"
-                )
-        return kwargs
+        return checked_template_kwargs(kwargs)
 
     @field_validator("top_logprobs")
     @classmethod

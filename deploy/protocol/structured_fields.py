@@ -13,10 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# Objects the client writes itself (not ones an SDK sends back): an unknown key is a 400, as at the top.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     name: str = Field(default="response", description="A name for the schema.")
     description: str | None = Field(default=None, description="What the format is for.")
@@ -26,7 +28,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = _CONFIG
+    model_config = _STRICT
 
     type: Literal["text", "json_object", "json_schema"] = Field(description="The output's format.")
     json_schema: JsonSchemaFormat | None = Field(default=None, description="With type json_schema.")
@@ -35,7 +37,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsField(BaseModel):
     """vLLM's `structured_outputs` request field (its StructuredOutputsParams)."""
 
-    model_config = _CONFIG
+    model_config = _STRICT
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json", description="A JSON schema.")
     regex: str | None = Field(default=None, description="A regular expression.")
@@ -77,7 +79,7 @@ class StructuredFields(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = _CONFIG
+    model_config = _STRICT
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$", description="Function name.")
     description: str | None = Field(default=None, description="What the function does.")
@@ -86,20 +88,20 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = _CONFIG
+    model_config = _STRICT
 
     type: Literal["function"] = Field(description="Only function tools.")
     function: FunctionDefinition
 
 
 class NamedFunction(BaseModel):
-    model_config = _CONFIG
+    model_config = _STRICT
 
     name: str = Field(description="The function to call.")
 
 
 class NamedToolChoice(BaseModel):
-    model_config = _CONFIG
+    model_config = _STRICT
 
     type: Literal["function"] = Field(description="Only function tools.")
     function: NamedFunction

@@ -90,9 +90,11 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ParsedCall]]:
 PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
 
 
-def parse_auto(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """The calls of the first parser in `PARSERS` that finds any; else the text is all content."""
-    for parser in PARSERS.values():
+def parse_auto(text: str, parser_name: str | None = None) -> tuple[str | None, list[ParsedCall]]:
+    """The calls of the first parser in `PARSERS` (or of the one named) that finds any; else the text is
+    all content."""
+    parsers = PARSERS.values() if parser_name is None else [PARSERS[parser_name]]
+    for parser in parsers:
         content, calls = parser(text)
         if calls:
             return content, calls
@@ -107,6 +109,7 @@ class ToolMode:
     choice: str  # "none" | "auto" | "required" | "named"
     name: str | None = None  # the function of "named"
     parallel: bool = True
+    parser: str | None = None  # "auto": the one format of `PARSERS` to read (the server's --tool-call-parser)
 
     def constraint(self) -> StructuredOutputs | None:
         """The schema a forced call decodes under; None for "auto" and "none"."""
@@ -146,7 +149,7 @@ class ToolMode:
             found = [_call_from(item) for item in items] if isinstance(items, list) else []
             return None, [c for c in found if c is not None]
         if self.choice == "auto":
-            content, calls = parse_auto(text)
+            content, calls = parse_auto(text, self.parser)
             return content, calls if self.parallel else calls[:1]
         return text, []
 

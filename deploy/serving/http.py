@@ -8,13 +8,14 @@ with an `{"error": ...}` body, so the handlers below replace FastAPI's.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +30,7 @@ from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, i
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.serving.openai_service import ChunkBatches, OpenAIService
+from tandem.deploy.serving.vllm_routes import HEALTH_RESPONSES, add_vllm_routes, health_response
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ SSE_HEADERS = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid parameters, or a prompt plus max_tokens over the context length."},
     401: {"description": "An API key is configured and the request has no valid `Authorization: Bearer`."},
-    404: {"description": "Unknown model."},
+    404: {"description": "Unknown model (the message lists the served model and its adapters)."},
     413: {"description": "The body is larger than max_request_body_bytes."},
     503: {"description": "Overloaded (past max_queued_requests) or no healthy replica."},
 }
@@ -96,6 +98,7 @@ def build_http_app(
     max_body_bytes: int | None = None,
     gate: GateState | None = None,
     metrics: Callable[[], Awaitable[str]] = node_tandem_metrics,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     app = FastAPI(
         title="tandem",
@@ -107,6 +110,12 @@ def build_http_app(
         app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    if allowed_origins:
+        # Outside the key check: a browser's preflight carries no Authorization header. The request that
+        # follows does, and is checked; its response (a 401 too) carries the CORS headers the browser needs.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     if gate is not None:  # outermost: it counts every request in flight, and turns all away once draining
         app.add_middleware(DrainGate, state=gate)
 
@@ -166,15 +175,11 @@ def build_http_app(
             logger.warning("could not read the node's metrics: %s", exc)
             return error_response(unavailable("the metrics exporter of this node cannot be read"))
 
-    @app.get("/health", responses={200: {"description": "Every rank is up."}, 503: {"description": "Not."}})
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> Response:
         """200 when every replica and rank is healthy; 503 with a short reason code otherwise (the
         details are in the replica's log, not for anonymous callers)."""
-        reason = await service.health()
-        if reason is not None:
-            return error_response(
-                OpenAIError(503, f"unhealthy: {reason}", type="server_error", code="unhealthy")
-            )
-        return JSONResponse({"status": "ok"})
+        return await health_response(service)
 
+    add_vllm_routes(app, service)
     return app

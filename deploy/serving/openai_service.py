@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from tandem.deploy.adapters.registry import AdapterRegistry
 from tandem.deploy.generation.job_run import JobRun
+from tandem.deploy.generation.service import GenerationService
 from tandem.deploy.guards.limits import RequestLimits, check_job
 from tandem.deploy.observability.replica_metrics import (
     NullOutcomes,
@@ -66,6 +67,8 @@ class Backend(Protocol):
     Raises `OpenAIError` for overload/unavailable.
     """
 
+    generation: GenerationService  # its tokenization answers /tokenize, /detokenize, /tokenizer_info
+
     async def start(self, job: GenerateJob) -> JobRun | JobRejected:
         """Admit the job and send its choices to the ranks, or say why it cannot run."""
         ...
@@ -89,12 +92,16 @@ class OpenAIService:
         announce: Announce | None = None,
         reasoning_parser: str | None = None,
         harmony: HarmonyChat | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = True,
     ) -> None:
         self._backend = backend
         self._adapters = adapters
         self._announce = announce
         self._reasoning = reasoning_format(reasoning_parser)
         self._harmony = harmony  # a gpt-oss model: chats are rendered and read as harmony
+        self._tool_call_parser = tool_call_parser
+        self._auto_tool_choice = enable_auto_tool_choice
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name
         self._model_root = model_root or served_model_name
@@ -132,6 +139,7 @@ class OpenAIService:
             return self._harmony.prepare(job), self._harmony.chat_format(job.request_id, model, created)
         if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
             job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
+        job = self._with_tool_parser(job)
         fmt = ChatFormat(job.request_id, model, created, tools=job.tool_mode, reasoning=self._reasoning)
         return job, fmt
 
@@ -180,7 +188,35 @@ class OpenAIService:
             "parent": None,
         }
         adapters = self._adapters.cards() if self._adapters is not None else []
-        return {"object": "list", "data": [card, *adapters]}
+        # vLLM's cards carry the context length, which clients read to size their prompts.
+        max_model_len = self._backend.generation.max_model_len
+        return {"object": "list", "data": [{**c, "max_model_len": max_model_len} for c in [card, *adapters]]}
+
+    @property
+    def generation(self) -> GenerationService:
+        """The replica's request path, whose tokenization the tokenizer routes answer from."""
+        return self._backend.generation
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: the card of the base model or of an adapter served by name; 404 else."""
+        for card in self.models()["data"]:
+            if card["id"] == model_id:
+                return dict(card)
+        raise self.unknown_model(model_id)
+
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless `model` is unset, the served model or an adapter it serves by name (the routes
+        that only tokenize: every adapter shares the base model's tokenizer)."""
+        if model is None or model == self.served_model_name:
+            return
+        known = self._adapters.known() if self._adapters is not None else {}
+        if model not in known and model.removeprefix(f"{self.served_model_name}:") not in known:
+            raise self.unknown_model(model)
+
+    def unknown_model(self, model: str) -> OpenAIError:
+        if self._adapters is None:
+            return model_not_found(model, self.served_model_name)
+        return self._adapters.not_found(model)
 
     async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> str:
         """vLLM's run-time load: the adapter is checked (a 400 naming what is wrong), served by name
@@ -221,6 +257,19 @@ class OpenAIService:
             return None
         return await self._adapters.resolve(request.model)
 
+    def _with_tool_parser(self, job: GenerateJob) -> GenerateJob:
+        """The server's tool-call settings on a chat job whose tools are read under tool_choice "auto"."""
+        mode = job.tool_mode
+        if mode is None or mode.choice != "auto":
+            return job
+        if not self._auto_tool_choice:
+            raise invalid_request(
+                'tool_choice "auto" is not enabled on this server (--enable-auto-tool-choice); use '
+                '"none", "required" or a named function',
+                param="tool_choice",
+            )
+        return dataclasses.replace(job, tool_mode=dataclasses.replace(mode, parser=self._tool_call_parser))
+
     def _model_named(self, request: SamplingFields) -> str:
         """The `model` a response reports: the name the request used (an adapter's), else the base's."""
         return request.model if request.model is not None else self.served_model_name
@@ -232,9 +281,8 @@ class OpenAIService:
             raise invalid_request(run.message, param=run.param, code=run.code)
         prompt_tokens = sum(run.accepted.prompt_tokens)
         if request.stream:
-            stream = self._stream(
-                run, fmt, job.num_choices, prompt_tokens, request.include_usage, CachedTokens(job.n)
-            )
+            usage = _UsageMode(request.include_usage, request.continuous_usage)
+            stream = self._stream(run, fmt, job.num_choices, prompt_tokens, usage, CachedTokens(job.n))
             # Started, the generator owns the run: closing it releases the choices even if nothing was
             # read (a client gone before the headers). An unstarted generator would skip its cleanup.
             await anext(stream)
@@ -262,15 +310,24 @@ class OpenAIService:
         fmt: _Format,
         num_choices: int,
         prompt_tokens: int,
-        include_usage: bool,
+        usage: _UsageMode,
         cached: CachedTokens,
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The job's chunks, a list per wake-up, after one empty list that `_run` takes to start it."""
         completion_tokens = 0
+
+        def with_usage(chunk: dict[str, Any]) -> dict[str, Any]:
+            # With include_usage, OpenAI sends `"usage": null` on every chunk but the last; vLLM's
+            # continuous_usage_stats sends the usage so far instead.
+            if usage.include:
+                so_far = usage_dict(prompt_tokens, completion_tokens, cached.total)
+                chunk["usage"] = so_far if usage.continuous else None
+            return chunk
+
         try:
             yield []
             try:
-                opening = [_with_usage_slot(c, include_usage) for c in fmt.start_chunks(num_choices)]
+                opening = [with_usage(c) for c in fmt.start_chunks(num_choices)]
                 if opening:
                     yield opening
                 batch: list[dict[str, Any]] = []
@@ -281,7 +338,7 @@ class OpenAIService:
                         completion_tokens += len(delta.token_ids)
                         chunk = fmt.chunk(delta)
                         if chunk is not None:
-                            batch.append(_with_usage_slot(chunk, include_usage))
+                            batch.append(with_usage(chunk))
                     if batch:
                         yield batch
                         batch = []
@@ -292,7 +349,7 @@ class OpenAIService:
                 logger.exception("stream %s failed", fmt.response_id)
                 yield [internal_error().body()]
                 return
-            if include_usage:
+            if usage.include:
                 yield [fmt.usage_chunk(usage_dict(prompt_tokens, completion_tokens, cached.total))]
         finally:
             await run.close()
@@ -305,8 +362,7 @@ def _raise_if_failed(delta: ChoiceDelta) -> None:
         raise unavailable("the model server aborted the request (it may be shutting down)")
 
 
-def _with_usage_slot(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    # With include_usage, OpenAI sends `"usage": null` on every chunk but the last.
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+@dataclasses.dataclass(frozen=True)
+class _UsageMode:
+    include: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous: bool  # vLLM's continuous_usage_stats: the usage so far on every chunk too

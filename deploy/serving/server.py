@@ -90,6 +90,9 @@ class LLMServer:
         lora_modules: dict[str, str] | None = None,
         lora_dynamic_path: str | None = None,
         reasoning_parser: str | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = True,
+        allowed_origins: list[str] | None = None,
         replica_factory: Callable[..., Any] | None = None,
     ) -> None:
         factory = replica_factory or _default_replica
@@ -142,7 +145,10 @@ class LLMServer:
             announce=backend.announce,
             reasoning_parser=reasoning_parser,
             harmony=harmony,
+            tool_call_parser=tool_call_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
         )
+        self._allowed_origins = allowed_origins or []
         self._api_keys = api_keys
         self._max_request_body_bytes = max_request_body_bytes
         self._gate = GateState()
@@ -178,7 +184,13 @@ class LLMServer:
         return registry
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_http_app(self._service, self._api_keys, self._max_request_body_bytes, self._gate)
+        return build_http_app(
+            self._service,
+            self._api_keys,
+            self._max_request_body_bytes,
+            self._gate,
+            allowed_origins=self._allowed_origins,
+        )
 
     # ---- the handle API (public: callers outside tandem use it) ----------------------------------------
     async def completions(

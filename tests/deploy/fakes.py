@@ -183,6 +183,8 @@ def make_service(
     limits: RequestLimits | None = None,
     outcomes: Any = None,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = True,
     **backend: Any,
 ) -> tuple[OpenAIService, FakeReplica]:
     """A service for model `fake` over one fake replica; `backend` goes to `InProcessBackend`."""
@@ -193,5 +195,7 @@ def make_service(
         outcomes=outcomes,
         limits=limits,
         reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
     return service, replica

@@ -82,17 +82,21 @@ def test_malformed_json_is_400(app: Any, check_error: Callable[..., Any]) -> Non
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "param"),
     [
-        {"prompt": [1] * (CONTEXT + 1), "max_tokens": 1},  # the prompt alone is too long
-        {"prompt": [1] * (CONTEXT - 10), "max_tokens": 11},  # prompt + max_tokens is
-        {"prompt": "word " * 3000},
+        ({"prompt": [1] * (CONTEXT + 1), "max_tokens": 1}, "prompt"),  # the prompt alone is too long
+        ({"prompt": [1] * (CONTEXT + 1), "max_tokens": 100}, "prompt"),  # ... whatever max_tokens says
+        ({"prompt": [1] * (CONTEXT - 10), "max_tokens": 11}, "max_tokens"),  # prompt + max_tokens is
+        ({"prompt": "word " * 3000}, "prompt"),
     ],
 )
-def test_too_long_prompt_is_400(app: Any, check_error: Callable[..., Any], body: dict[str, Any]) -> None:
+def test_too_long_prompt_is_400(
+    app: Any, check_error: Callable[..., Any], body: dict[str, Any], param: str
+) -> None:
     response = post(app, "/v1/completions", body)
     assert response.status_code == 400, response.text
-    assert check_error(response.json())["code"] == "context_length_exceeded"
+    error = check_error(response.json())
+    assert (error["code"], error["param"]) == ("context_length_exceeded", param)
 
 
 def test_out_of_vocab_token_ids_are_400(app: Any, check_error: Callable[..., Any]) -> None:

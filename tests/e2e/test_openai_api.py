@@ -76,6 +76,34 @@ def test_sync_completion_usage_and_logprobs(client: openai.OpenAI, app: Any, tok
     assert choice.finish_reason in ("stop", "length")
 
 
+def test_vllms_routes(client: openai.OpenAI, app: Any, tokenizer: Any) -> None:
+    """vLLM's routes on the real app: the SDK's `models.retrieve`, /tokenize counting what a completion
+    counts, /detokenize, /tokenizer_info, /version, /ping and a CORS preflight (any origin by default)."""
+    card = client.models.retrieve(app.served_model_name)
+    max_model_len = card.model_dump()["max_model_len"]  # vLLM's field, beyond the SDK's Model
+    assert card.id == app.served_model_name and max_model_len > 0
+    assert [m.model_dump()["max_model_len"] for m in client.models.list().data] == [max_model_len]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    tokenized = httpx.post(f"{app.base_url}/tokenize", json={"prompt": PROMPT}).json()
+    usage = client.completions.create(model=app.served_model_name, prompt=PROMPT, max_tokens=1).usage
+    assert usage is not None and tokenized["count"] == usage.prompt_tokens == len(tokenized["tokens"])
+    assert tokenized["tokens"] == tokenizer.encode(PROMPT) and tokenized["max_model_len"] == max_model_len
+    chat = httpx.post(f"{app.base_url}/tokenize", json={"messages": CHAT}).json()
+    reply = client.chat.completions.create(model=app.served_model_name, messages=CHAT, max_tokens=1)
+    assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens
+    text = httpx.post(f"{app.base_url}/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(tokenized["tokens"])
+    assert httpx.get(f"{app.base_url}/tokenizer_info").json()["eos_token"] == tokenizer.eos_token
+    assert httpx.get(f"{app.base_url}/version").json()["version"]
+    assert httpx.get(f"{app.base_url}/ping").status_code == 200
+    preflight = httpx.options(
+        f"{app.base_url}/v1/chat/completions",
+        headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+
+
 def test_sync_chat_stream_matches_non_stream(client: openai.OpenAI, app: Any) -> None:
     kwargs: dict[str, Any] = {
         "model": app.served_model_name,

@@ -88,3 +88,26 @@ def test_both_edges_reject_the_same_values(bad: dict[str, Any]) -> None:
         EngineArgs.model_validate(bad)
     with pytest.raises(ValueError):
         RuntimeOptions.of(**bad)
+
+
+def test_vllm_names_are_declared_once_and_read_everywhere() -> None:
+    """Each option's vLLM name lives in its one declaration; the offline keywords (as `LLM` passes them,
+    every keyword of its own at its default) and the serve config read it the same way."""
+    names = {
+        f.metadata["vllm"]: f.name
+        for cls in (RuntimeOptions, EngineOptions)
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("vllm")
+    }
+    assert names["max_num_seqs"] == "max_running" and names["enable_prefix_caching"] == "prefix_cache"
+    assert (
+        names["max_num_batched_tokens"] == "chunk_size" and names["gpu_memory_utilization"] == "mem_fraction"
+    )
+    vllm = {"max_num_seqs": 8, "enable_prefix_caching": False, "dtype": "half", "kv_cache_dtype": "fp8"}
+    offline = RuntimeOptions.of(max_running=None, prefix_cache=True, **vllm)  # as `LLM(**vllm)` passes them
+    served = RuntimeOptions.of(**EngineArgs.model_validate(vllm).to_llm_kwargs())
+    assert offline == served
+    assert (served.max_running, served.prefix_cache) == (8, False)
+    assert (served.engine.dtype, served.engine.kv_cache_dtype) == ("float16", "fp8_e4m3")
+    with pytest.raises(ValueError, match="max_running and vLLM's name for it, max_num_seqs"):
+        RuntimeOptions.of(max_running=4, max_num_seqs=8)

@@ -61,6 +61,32 @@ def test_prompt_context_does_not_change_the_text(
     assert "".join(detok.add(t) for t in ids) + detok.flush() == TEXT
 
 
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_a_prompt_ending_inside_a_character_gives_no_prompt_text(byte_fallback: bool) -> None:
+    """A token-id prompt split inside a multi-byte character (byte-level BPE, or SentencePiece's byte
+    tokens): the output is the text the output ids add, the character they complete first, and never the
+    prompt's own text before it."""
+    tok = byte_fallback_tokenizer() if byte_fallback else load_tiny_tokenizer()
+    decoder = TokenDecoder(tok)
+    text = "Hi 🦊 and 日本 ok" if not byte_fallback else "Hi 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    full = tok.decode(ids)
+    split_inside = 0
+    for cut in range(1, len(ids)):
+        detok = IncrementalDetokenizer(decoder, prompt_ids=ids[:cut])
+        pieces = [detok.add(t) for t in ids[cut:]] + [detok.flush()]
+        output = "".join(pieces)
+        # The prompt's text up to its last whole character: the output is the rest, the character the
+        # output ids complete first.
+        whole = cut
+        while tok.decode(ids[:whole]).endswith("\ufffd"):
+            whole -= 1
+        split_inside += whole < cut
+        assert output == full[len(tok.decode(ids[:whole])) :], (cut, output)
+        assert "\ufffd" not in output
+    assert split_inside >= 3  # the emoji and the CJK characters were cut inside, more than once
+
+
 def test_byte_fallback_tokens_decode_whole() -> None:
     tok = byte_fallback_tokenizer()
     text = "Hé▁ist▁日本!"  # é and the CJK characters exist only as byte tokens

@@ -125,7 +125,11 @@ def test_unknown_models_are_404s_in_openai_shape(adapters: dict[str, Any], tmp_p
     for model in ("nope", f"{MODEL}:nope", "other-base:sql"):
         response = complete(app, model)
         assert response.status_code == 404, (model, response.text)
-        assert error_of(response)["code"] == "model_not_found"
+        error = error_of(response)
+        assert error["code"] == "model_not_found"
+        # The 404 names what this server does serve: the base, each adapter, and the dynamic form.
+        assert f"serves '{MODEL}', 'sql' and 'chat'" in error["message"], error["message"]
+        assert f"'{MODEL}:<name>'" in error["message"]
     off, _, _, _ = make(adapters, tmp_path, enabled=False)
     assert complete(off, "sql").status_code == 404
     assert complete(off, MODEL).status_code == 200

@@ -24,7 +24,9 @@ def test_defaults_and_pool_sizes() -> None:
         ({"concurrency": (3, 2)}, "concurrency must be"),
         ({"engine_kwargs": {"max_runing": 8}}, "unknown engine option(s): max_runing"),
         ({"engine_kwargs": {"chunk_size": 0}}, "chunk_size"),
-        ({"engine_kwargs": {"tensor_parallel_size": 2}}, "tensor_parallel_size -> ProcessorConfig.tp_size"),
+        ({"engine_kwargs": {"tensor_parallel_size": 2}, "tp_size": 4}, "disagree"),
+        ({"engine_kwargs": {"quantization": "awq"}}, "quantization must be one of 'fp8'"),
+        ({"engine_kwargs": {"max_num_seqs": 4, "max_running": 8}}, "max_running and vLLM's name"),
         ({"engine_kwargs": {"device": "cuda"}}, "device -> ProcessorConfig.device"),
         ({"tp_size": 0}, "tp_size"),
         ({"batch_size": 0}, "batch_size"),
@@ -35,6 +37,35 @@ def test_bad_configs_fail_in_the_driver(fields: dict, says: str) -> None:
     with pytest.raises(ValidationError) as raised:
         ProcessorConfig(model_source="m", **fields)
     assert says in str(raised.value)
+
+
+def test_vllm_engine_kwargs_become_tandem_options() -> None:
+    """ray.data.llm's `vLLMEngineProcessorConfig(engine_kwargs=...)` names, as a Ray Data user passes them."""
+    config = ProcessorConfig(
+        model_source="m",
+        engine_kwargs={
+            "tensor_parallel_size": 2,
+            "max_model_len": 256,
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 128,
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.5,
+            "dtype": "half",
+            "kv_cache_dtype": "fp8",
+            "seed": 7,
+        },
+    )
+    assert config.tp_size == 2
+    assert config.engine_kwargs == {
+        "max_model_len": 256,
+        "max_running": 4,
+        "chunk_size": 128,
+        "prefix_cache": False,
+        "mem_fraction": 0.5,
+        "dtype": "float16",
+        "kv_cache_dtype": "fp8_e4m3",
+        "seed": 7,
+    }
 
 
 def test_each_actor_runs_batches_concurrently_on_one_engine() -> None:

@@ -55,3 +55,26 @@ def test_a_missing_input_or_a_bad_option_fails_before_ray(
     options = ["--engine-kwargs", '{"max_runing": 1}']
     assert main(["batch", "-i", str(given), "-o", str(tmp_path / "o.jsonl"), "--model", "m", *options]) == 2
     assert "unknown engine option(s): max_runing" in capsys.readouterr().err
+
+
+def test_vllm_run_batch_engine_flags_reach_the_processor_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vllm run-batch`'s engine flags, and vLLM's names in --engine-kwargs, become tandem's options."""
+    import tandem.deploy.cli.batch_command as batch_command
+
+    seen: list[object] = []
+
+    def stop_at_the_input(uri: str) -> None:
+        raise FileNotFoundError("stop here")
+
+    monkeypatch.setattr("tandem.deploy.batch.batch_file.readable_uri", stop_at_the_input)
+    real = batch_command.ProcessorConfig
+    monkeypatch.setattr(batch_command, "ProcessorConfig", lambda **kw: seen.append(real(**kw)) or seen[-1])
+    flags = ["--tensor-parallel-size", "2", "--max-model-len", "512", "--max-num-seqs", "8"]
+    kwargs = ["--engine-kwargs", '{"enable_prefix_caching": false, "max_num_seqs": 4}']
+    assert main(["batch", "-i", "a", "-o", "b", "--model", "m", *flags, *kwargs]) == 2
+    (config,) = seen
+    assert config.tp_size == 2  # type: ignore[attr-defined]
+    assert config.engine_kwargs == {"prefix_cache": False, "max_running": 8, "max_model_len": 512}  # type: ignore[attr-defined]
+    inside = ["--engine-kwargs", '{"tensor_parallel_size": 2}']
+    assert main(["batch", "-i", "a", "-o", "b", "--model", "m", *inside]) == 2
+    assert seen[-1].tp_size == 2  # type: ignore[attr-defined]

@@ -190,6 +190,43 @@ def test_model_not_found_shape() -> None:
     error = model_not_found("gpt-9", "tiny")
     assert error.status == 404
     assert error.body()["error"]["code"] == "model_not_found" and error.param == "model"
+    many = model_not_found("gpt-9", "tiny", [f"a{i}" for i in range(30)])
+    assert "serves 'tiny', 'a0', " in many.message and "'a19' and 10 more (GET /v1/models" in many.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream": True, "stream_options": {"include_usage": True, "include_usgae": True}}, "include_usgae"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "shema": {}}}}, "shema"),
+        ({"structured_outputs": {"regex": "a+", "regexp": "b"}}, "regexp"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameter": {}}}]}, "parameter"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}, "force": True},
+            },
+            "force",
+        ),
+    ],
+)
+def test_unknown_keys_of_nested_objects_are_a_400_naming_their_path(body: dict[str, Any], param: str) -> None:
+    error = _error(ChatCompletionRequest, {"messages": CHAT, **body})
+    path = {
+        "include_usgae": "stream_options.include_usgae",
+        "shema": "response_format.json_schema.shema",
+        "regexp": "structured_outputs.regexp",
+        "parameter": "tools.0.function.parameter",
+        "force": "tool_choice.force",
+    }[param]
+    assert (error["code"], error["param"]) == ("unknown_parameter", path)
+    assert error["message"] == f"Unrecognized request argument supplied: {path}"
+
+
+def test_messages_keep_ignoring_the_keys_sdks_send_back() -> None:
+    echoed = {"role": "assistant", "content": "x", "refusal": None, "annotations": []}
+    request = ChatCompletionRequest.model_validate({"messages": [*CHAT, echoed, *CHAT]})
+    assert len(request.messages) == 3
 
 
 def test_template_kwargs_are_plain_json_values() -> None:

@@ -22,7 +22,7 @@ from tandem.deploy.protocol.tool_calls import (
     parse_llama3_json,
 )
 
-from ..fakes import make_service
+from ..fakes import FakeReplica, make_service
 
 
 def run(coro: Any) -> Any:
@@ -188,3 +188,40 @@ def test_auto_streams_content_until_a_call_may_begin() -> None:
         {"content": "{1}"},
         "length",
     )
+
+
+class ToolReplica(FakeReplica):
+    """A long context, and no unlucky token: tool prompts are long and hold every id."""
+
+    def __init__(self, script: list[str] | None = None) -> None:
+        super().__init__(max_model_len=2048, script=script)
+
+    def validate(self, prompt_token_ids: list[int], sampling: Any) -> None:
+        sampling.validate()
+
+
+def test_the_servers_tool_call_parser_is_the_only_format_read() -> None:
+    """`--tool-call-parser` (vLLM's flag): a reply in another format stays content; unset, each is tried."""
+    hermes_reply = ["<tool_call>", '{"name": "weather", "arguments": {"city": "Paris"}}', "</tool_call>"]
+    body = {"messages": CHAT, "tools": [WEATHER], "max_tokens": 3}
+    calls = {}
+    for parser in (None, "hermes", "llama3_json"):
+        replica = ToolReplica(script=list(hermes_reply))
+        service, _ = make_service(replica, tool_call_parser=parser)
+        out = run(service.chat_completions(ChatCompletionRequest.model_validate(body)))
+        calls[parser] = out["choices"][0]["message"].get("tool_calls")
+    assert calls[None] and calls["hermes"] and calls[None][0]["function"]["name"] == "weather"
+    assert calls["llama3_json"] is None
+
+
+def test_auto_tool_choice_off_is_a_400_naming_tool_choice() -> None:
+    service, _ = make_service(ToolReplica(), enable_auto_tool_choice=False)
+    with pytest.raises(OpenAIError) as info:
+        run(
+            service.chat_completions(
+                ChatCompletionRequest.model_validate({"messages": CHAT, "tools": [WEATHER]})
+            )
+        )
+    assert info.value.status == 400 and info.value.param == "tool_choice"
+    forced = {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 2}
+    assert run(service.chat_completions(ChatCompletionRequest.model_validate(forced)))["choices"]

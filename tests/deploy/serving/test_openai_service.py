@@ -76,6 +76,23 @@ def test_chat_stream_chunks_and_usage(make_service: MakeService) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(make_service: MakeService) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`, as its clients send it (supported, not ignored)."""
+    service, _ = make_service()
+    request = CompletionRequest.model_validate(
+        {"prompt": "a b", "max_tokens": 3, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    )  # fmt: skip
+    chunks = run(collect(run_stream(service.completions(request))))
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == [1, 2, 3, 3]  # three token chunks, then the usage chunk
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n for c, n in zip(chunks, counts))
+    alone = CompletionRequest.model_validate(
+        {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    )
+    assert not alone.continuous_usage  # without include_usage it changes nothing, as in vLLM
+
+
 def run_stream(coro: Any) -> Any:
     async def stream() -> AsyncGenerator[dict[str, Any], None]:
         async for chunk in await coro:
@@ -95,23 +112,36 @@ def test_chat_default_max_tokens_fills_the_context(make_service: MakeService) ->
 
 
 @pytest.mark.parametrize(
-    ("body", "code"),
+    ("body", "code", "param"),
     [
-        ({"prompt": "a " * 70, "max_tokens": 1}, "context_length_exceeded"),
-        ({"prompt": "a", "max_tokens": 64}, "context_length_exceeded"),
-        ({"prompt": [1, 2, 10_000]}, "invalid_value"),
-        ({"prompt": ""}, "invalid_value"),
-        ({"prompt": [1, 13]}, "invalid_value"),  # the replica's own validation
+        # The prompt alone is too long: it is at fault, whatever max_tokens says.
+        ({"prompt": "a " * 70, "max_tokens": 1}, "context_length_exceeded", "prompt"),
+        ({"prompt": "a " * 70, "max_tokens": 50}, "context_length_exceeded", "prompt"),
+        ({"prompt": ["a", "a " * 70], "max_tokens": 1}, "context_length_exceeded", "prompt.1"),
+        ({"prompt": list(range(1, 65)), "max_tokens": 1}, "context_length_exceeded", "prompt"),
+        # The prompt fits; with max_tokens it does not.
+        ({"prompt": "a", "max_tokens": 64}, "context_length_exceeded", "max_tokens"),
+        ({"prompt": [1, 2, 10_000]}, "invalid_value", "prompt"),
+        ({"prompt": ""}, "invalid_value", "prompt"),
+        ({"prompt": [1, 13]}, "invalid_value", None),  # the replica's own validation
     ],
 )
 def test_rejections_are_400_before_any_generation(
-    body: dict[str, Any], code: str, make_service: MakeService
+    body: dict[str, Any], code: str, param: str | None, make_service: MakeService
 ) -> None:
     service, replica = make_service()
     with pytest.raises(OpenAIError) as info:
         run(service.completions(CompletionRequest.model_validate(body)))
-    assert info.value.status == 400 and info.value.code == code
+    assert info.value.status == 400 and (info.value.code, info.value.param) == (code, param)
     assert replica.prompts == []  # nothing reached the replica
+
+
+def test_a_chat_too_long_by_itself_names_messages(make_service: MakeService) -> None:
+    service, _ = make_service()
+    body = {"messages": [{"role": "user", "content": "a " * 70}], "max_tokens": 1}
+    with pytest.raises(OpenAIError) as info:
+        run(service.chat_completions(ChatCompletionRequest.model_validate(body)))
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "messages")
 
 
 def test_unknown_model_and_backpressure(make_service: MakeService) -> None:
