@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine.layers.source import SafetensorsSource, TensorSource
 from tandem.engine.models.common import CausalLM
+from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.quant.fp8_format import KV_SCALE_SUFFIXES, SCALE_SUFFIXES, DequantSource, Fp8Checkpoint
 from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
 
@@ -91,6 +92,11 @@ def load_weights(
             module, shard_id, is_bias = loaders[ours[name]]
             source: TensorSource = plain
             if mxfp4 is not None and mxfp4.is_blocks(name):
+                if not isinstance(module, MoEExperts):
+                    raise ValueError(
+                        f"MXFP4 tensor {name!r} is not an MoE expert projection; tandem dequantizes "
+                        "MXFP4 experts (gpt-oss's layout) only"
+                    )
                 source = mxfp4.source(plain, sources)
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:

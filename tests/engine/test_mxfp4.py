@@ -187,3 +187,18 @@ def test_unsupported_quantization_is_named(tiny_model_dir: Callable[..., Path], 
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
         LLM(str(model_dir), device="cpu")
+
+
+def test_mxfp4_outside_the_experts_is_named(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("gpt_oss"), model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(tiny_model_dir("gpt_oss") / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    blocks, scales, _ = quantize(weights.pop(name).unsqueeze(0))
+    weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks[0], scales[0]
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"o_proj\.weight_blocks' is not an MoE expert projection"):
+        LLM(str(model_dir), device="cpu")
