@@ -92,6 +92,11 @@ def load_weights(
             module, shard_id, is_bias = loaders[ours[name]]
             source: TensorSource = plain
             if mxfp4 is not None and mxfp4.is_blocks(name):
+                if not isinstance(module, MoEExperts):
+                    raise ValueError(
+                        f"MXFP4 tensor {name!r} is not an MoE expert projection; tandem dequantizes "
+                        "MXFP4 experts (gpt-oss's layout) only"
+                    )
                 source = mxfp4.source(plain, sources)
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:

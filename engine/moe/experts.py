@@ -183,7 +183,9 @@ class MoEExperts(nn.Module):
         sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]. `pdl`:
         the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
         if self.fused is not None:
-            out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate, pdl)
+            out: torch.Tensor = self.fused(
+                x, logits, self.w13, self.w2, shared, shared_gate, pdl, self.b13, self.b2
+            )
             return out
         spec = self.spec
         weights, ids = select_experts(logits, spec.top_k, renormalize=spec.renormalize, scoring=spec.scoring)

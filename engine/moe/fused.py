@@ -99,6 +99,9 @@ class Routing:
     down: GemmBlocks
 
 
+Biases = tuple[torch.Tensor | None, torch.Tensor | None]  # (b13, b2) of the experts, or None each
+
+
 class FusedMoE:
     """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`."""
 
@@ -108,6 +111,8 @@ class FusedMoE:
         self.k_pad = triton.next_power_of_2(spec.top_k)
         self.local_pad = triton.next_power_of_2(shard.num_local)
         self.route_block = max(1, min(64, ONEHOT_ELEMENTS // (self.k_pad * self.local_pad)))
+        # gpt-oss's options (MoESpec): top-k-then-softmax routing, biases, the clamped SwiGLU.
+        self.topk_softmax = spec.scoring == "topk_softmax"
 
     def __call__(
         self,
@@ -118,12 +123,31 @@ class FusedMoE:
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         pdl: bool = False,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`b13` [E_local, 2I] and `b2` [E_local, H]: the experts' biases, where the spec has them."""
+        biases = (b13, b2)
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(x, logits, w13, w2, shared, shared_gate, pdl)
+            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, biases=biases)
         routing = self.route(logits)
-        pairs = self.expert_gemms(x, routing, w13, w2)
+        pairs = self.expert_gemms(x, routing, w13, w2, biases)
         return self.sum(pairs, routing, shared, shared_gate)
+
+    def _options(self, w: torch.Tensor, biases: Biases, *, up: bool) -> dict[str, Any]:
+        """The gpt-oss options of an up (gate/up) or down launch: its bias (the down bias only on the rank
+        that adds it, so it counts once per token after the all-reduce) and the clamped SwiGLU. `w` is a
+        placeholder for a bias the launch does not read."""
+        s = self.spec
+        bias = biases[0] if up else (biases[1] if self.shard.inter_start == 0 else None)
+        options: dict[str, Any] = {"HAS_BIAS": bias is not None}
+        if up:
+            options |= {"alpha": s.swiglu_alpha, "limit": s.swiglu_limit}
+            options["CLAMPED"] = s.activation == "swiglu_clamped"
+        return options | {
+            "bias": w if bias is None else bias,
+            "stride": 0 if bias is None else bias.stride(0),
+        }
 
     def _small(
         self,
@@ -135,6 +159,7 @@ class FusedMoE:
         shared_gate: torch.Tensor | None,
         pdl: bool = False,
         blocks: SmallBlocks | None = None,
+        biases: Biases = (None, None),
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         b = blocks or SMALL_BLOCKS
@@ -146,12 +171,17 @@ class FusedMoE:
             s = self.spec
             choose: Any = choose_kernel[(tokens,)]
             choose(logits, ids, weights, logits.stride(0), E=s.num_experts, E_PAD=self.experts_pad, TOPK=k,
-                   K_PAD=self.k_pad, RENORM=s.renormalize, num_warps=1, **pdl_launch(pdl))  # fmt: skip
+                   K_PAD=self.k_pad, RENORM=s.renormalize, TOPK_SOFTMAX=self.topk_softmax, num_warps=1,
+                   **pdl_launch(pdl))  # fmt: skip
         up_k, up_n = reduction_block(b.up_bk, hidden), b.up_bn
         up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
+        o = self._options(w13, biases, up=True)
         up(x, logits, ids, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
            HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, ROUTED=b.routed, num_warps=b.up_warps,
+           b13_ptr=o["bias"], stride_b13=o["stride"], alpha=o["alpha"], limit=o["limit"],
+           HAS_BIAS=o["HAS_BIAS"], CLAMPED=o["CLAMPED"], TOPK_SOFTMAX=self.topk_softmax,
            **pdl_launch(pdl))  # fmt: skip
+        d = self._options(w2, biases, up=False)
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
         down_k, down_n = reduction_block(b.down_bk, inter), b.down_bn
@@ -178,6 +208,10 @@ class FusedMoE:
             SHARED=has_shared,
             ROUTED=b.routed,
             num_warps=b.down_warps,
+            b2_ptr=d["bias"],
+            stride_b2=d["stride"],
+            HAS_BIAS=d["HAS_BIAS"],
+            TOPK_SOFTMAX=self.topk_softmax,
             **pdl_launch(pdl),
         )
         return out
@@ -214,7 +248,8 @@ class FusedMoE:
         route: Any = route_kernel[(blocks,)]
         route(logits, ids, weights, counts, ranks, tokens, logits.stride(0), self.shard.expert_start, local,
               E=s.num_experts, E_PAD=self.experts_pad, TOPK=k, K_PAD=self.k_pad, RENORM=s.renormalize,
-              BT=self.route_block, LOCAL_PAD=self.local_pad, num_warps=4)  # fmt: skip
+              BT=self.route_block, LOCAL_PAD=self.local_pad, TOPK_SOFTMAX=self.topk_softmax,
+              num_warps=4)  # fmt: skip
         max_slots = num_pairs + local * (bm - 1)
         max_row_blocks = triton.cdiv(max_slots, bm)
         sorted_pairs = torch.empty(max_row_blocks * bm, dtype=torch.int32, device=device)
@@ -228,15 +263,23 @@ class FusedMoE:
         return Routing(ids, weights, sorted_pairs, block_experts, total, num_pairs, max_row_blocks, up, down)
 
     def expert_gemms(
-        self, x: torch.Tensor, routing: Routing, w13: torch.Tensor, w2: torch.Tensor
+        self,
+        x: torch.Tensor,
+        routing: Routing,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        biases: Biases = (None, None),
     ) -> torch.Tensor:
         """Both grouped GEMMs: the weighted down projection of every pair, [T * k, H] (rows of other
         ranks' experts are left unwritten)."""
-        inter, k = self.shard.inter_size, self.spec.top_k
+        inter, k, hidden = self.shard.inter_size, self.spec.top_k, self.hidden
         act = torch.empty(routing.num_pairs, inter, dtype=x.dtype, device=x.device)
-        self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=self.hidden, row_div=k, gated=True)
-        pairs = torch.empty(routing.num_pairs, self.hidden, dtype=x.dtype, device=x.device)
-        self._gemm(act, w2, pairs, routing, routing.down, n=self.hidden, k_dim=inter, row_div=1, gated=False)
+        up = self._options(w13, biases, up=True)
+        self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=hidden, row_div=k, gated=True, options=up)
+        pairs = torch.empty(routing.num_pairs, hidden, dtype=x.dtype, device=x.device)
+        down = self._options(w2, biases, up=False)
+        self._gemm(act, w2, pairs, routing, routing.down, n=hidden, k_dim=inter, row_div=1, gated=False,
+                   options=down)  # fmt: skip
         return pairs
 
     def _gemm(
@@ -251,14 +294,18 @@ class FusedMoE:
         k_dim: int,
         row_div: int,
         gated: bool,
+        options: dict[str, Any],
     ) -> None:
         grid = (routing.max_row_blocks * triton.cdiv(n, blocks.bn),)
         gemm: Any = grouped_gemm_kernel[grid]
+        o = options
         gemm(a, w, out, routing.sorted_pairs, routing.block_experts, routing.total, routing.weights,
              routing.num_pairs, routing.max_row_blocks, n, k_dim, a.stride(0), w.stride(0), w.stride(1),
              out.stride(0), A_ROW_DIV=row_div, GATED=gated, WEIGHTED=not gated, BM=blocks.bm, BN=blocks.bn,
              BK=blocks.bk, GROUP_M=blocks.group_m, num_warps=blocks.num_warps,
-             num_stages=blocks.num_stages)  # fmt: skip
+             num_stages=blocks.num_stages, bias_ptr=o["bias"], stride_bias=o["stride"],
+             alpha=o.get("alpha", 1.0), limit=o.get("limit", 0.0), HAS_BIAS=o["HAS_BIAS"],
+             CLAMPED=o.get("CLAMPED", False))  # fmt: skip
 
     def sum(
         self,

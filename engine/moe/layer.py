@@ -24,14 +24,6 @@ from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 
 
-def fused_supports(spec: MoESpec) -> bool:
-    """Whether the Triton kernels (fused.py) run these experts: softmax-then-top-k routing, SiLU, no
-    biases. gpt-oss's options (top-k-then-softmax, biased experts, the clamped SwiGLU) run on the torch
-    path instead, on the GPU too: correct, free of host syncs (so it captures into CUDA graphs), but it
-    runs every local expert over every token."""
-    return spec.scoring == "softmax_topk" and spec.activation == "silu" and not spec.expert_bias
-
-
 class MoE(nn.Module):
     """HF's `mlp` of a sparse layer: `gate` (the router), `experts`, and for Qwen2-MoE `shared_expert`
     with its `shared_expert_gate`, named as the checkpoints name them."""
@@ -45,7 +37,7 @@ class MoE(nn.Module):
         self.shard = ExpertShard.of(spec, b.tp.rank, b.tp.size, expert_parallel=b.expert_parallel)
         self.gate = b.replicated(c.hidden_size, spec.num_experts, bias=spec.router_bias)
         fused = None
-        if b.kernels is not None and b.kernels.triton is not None and fused_supports(spec):
+        if b.kernels is not None and b.kernels.triton is not None:
             from tandem.engine.moe.fused import FusedMoE  # imports Triton: CUDA only
 
             fused = FusedMoE(spec, self.shard, c.hidden_size)

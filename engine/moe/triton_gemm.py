@@ -43,10 +43,17 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    bias_ptr=None,
+    stride_bias=0,
+    alpha=1.0,
+    limit=0.0,
+    HAS_BIAS: tl.constexpr = False,
+    CLAMPED: tl.constexpr = False,
 ):
     """out[pair, n] for n < N: GATED, silu(a W[:N]^T) * (a W[N:2N]^T) (W [2N, K], the gate rows first);
     else (a W^T) * weights[pair] (W [N, K]). a's row is pair // A_ROW_DIV (the token for the up GEMM,
-    the pair itself for the down GEMM)."""
+    the pair itself for the down GEMM). HAS_BIAS: the expert's bias row (bias [E_local, 2N] gated, else
+    [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M blocks of rows share each weight tile while it is in L2.
@@ -79,8 +86,18 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
             acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BK
         w_ptrs += BK
+    if HAS_BIAS:
+        bias = bias_ptr + expert * stride_bias + cols
+        acc += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias + N, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if CLAMPED:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + rows, mask=live, other=0.0)[:, None]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]

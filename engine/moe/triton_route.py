@@ -31,9 +31,11 @@ def topk_rows(  # type: ignore[no-untyped-def]  # Triton values
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,
     R: tl.constexpr,
+    TOPK_SOFTMAX: tl.constexpr = False,
 ):
     """(expert ids int32 [R, K_PAD], weights float32 [R, K_PAD]) of the router logits of `rows` ([R]);
-    the columns past TOPK are 0."""
+    the columns past TOPK are 0. TOPK_SOFTMAX (gpt-oss): the top k logits (same order, same tie rule),
+    then a softmax over those k."""
     cols = tl.arange(0, E_PAD)
     real = cols[None, :] < E
     x = tl.load(
@@ -42,9 +44,16 @@ def topk_rows(  # type: ignore[no-untyped-def]  # Triton values
         other=0.0,
     ).to(tl.float32)
     x = tl.where(real, x, float("-inf"))
-    x = x - tl.max(x, axis=1)[:, None]
-    ex = tl.where(real, tl.exp(x), 0.0)
-    p = tl.where(real, ex / tl.sum(ex, axis=1)[:, None], -1.0)
+    if TOPK_SOFTMAX:
+        # Picked experts become -inf below; padding columns are -inf already and never the best, as
+        # at least E - j >= 1 real logits remain at step j.
+        p = x
+        taken = float("-inf")
+    else:
+        x = x - tl.max(x, axis=1)[:, None]
+        ex = tl.where(real, tl.exp(x), 0.0)
+        p = tl.where(real, ex / tl.sum(ex, axis=1)[:, None], -1.0)
+        taken = -2.0
     slots = tl.arange(0, K_PAD)
     ids = tl.zeros([R, K_PAD], dtype=tl.int32)
     weights = tl.zeros([R, K_PAD], dtype=tl.float32)
@@ -54,7 +63,10 @@ def topk_rows(  # type: ignore[no-untyped-def]  # Triton values
         pick = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), axis=1)
         ids = tl.where(slots[None, :] == j, pick[:, None], ids)
         weights = tl.where(slots[None, :] == j, best[:, None], weights)
-        p = tl.where(cols[None, :] == pick[:, None], -2.0, p)
+        p = tl.where(cols[None, :] == pick[:, None], taken, p)
+    if TOPK_SOFTMAX:  # weights hold the k logits, the largest first
+        ex = tl.where(slots[None, :] < TOPK, tl.exp(weights - tl.max(weights, axis=1)[:, None]), 0.0)
+        weights = ex / tl.sum(ex, axis=1)[:, None]
     if RENORM:
         weights = weights / tl.sum(weights, axis=1)[:, None]
     return ids, weights
@@ -78,13 +90,16 @@ def route_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     RENORM: tl.constexpr,
     BT: tl.constexpr,
     LOCAL_PAD: tl.constexpr,
+    TOPK_SOFTMAX: tl.constexpr = False,
 ):
     """Tokens [b * BT, (b + 1) * BT): ids and weights [T, TOPK]; counts[b, e] for the local experts e;
     ranks[pair] among the block's pairs of the same local expert (-1 for another rank's expert)."""
     block = tl.program_id(0)
     rows = block * BT + tl.arange(0, BT)
     row_mask = rows < num_tokens
-    ids, weights = topk_rows(logits_ptr, rows, row_mask, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, BT)
+    ids, weights = topk_rows(
+        logits_ptr, rows, row_mask, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, BT, TOPK_SOFTMAX
+    )
     slots = tl.arange(0, K_PAD)
     real = row_mask[:, None] & (slots[None, :] < TOPK)
     pairs = rows[:, None] * TOPK + slots[None, :]

@@ -34,6 +34,7 @@ def choose_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     K_PAD: tl.constexpr,
     RENORM: tl.constexpr,
     PDL: tl.constexpr,
+    TOPK_SOFTMAX: tl.constexpr = False,
 ):
     """ids[token, j], weights[token, j]: the token's top k experts (global ids) and their weights. One
     program a token, launched with one warp, whose reductions are shuffles with no shared memory."""
@@ -42,7 +43,9 @@ def choose_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     rows = token + tl.arange(0, 1)
-    ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+    ids, weights = topk_rows(
+        logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1, TOPK_SOFTMAX
+    )
     slots = tl.arange(0, K_PAD)
     at = rows[:, None].to(tl.int64) * TOPK + slots[None, :]
     mask = slots[None, :] < TOPK
@@ -73,9 +76,18 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     BK: tl.constexpr,
     ROUTED: tl.constexpr,
     PDL: tl.constexpr,
+    b13_ptr=None,
+    stride_b13=0,
+    alpha=1.0,
+    limit=0.0,
+    HAS_BIAS: tl.constexpr = False,
+    CLAMPED: tl.constexpr = False,
+    TOPK_SOFTMAX: tl.constexpr = False,
 ):
     """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's.
-    The expert is ids[pair] where choose_kernel ran (ROUTED), else this program's own top k."""
+    The expert is ids[pair] where choose_kernel ran (ROUTED), else this program's own top k. HAS_BIAS:
+    the expert's gate and up biases (b13 [E_local, 2 INTER]) added first; CLAMPED: gpt-oss's clamped
+    SwiGLU instead of silu(gate) * up."""
     pair = tl.program_id(0)
     token = pair // TOPK
     if PDL:  # the expert, and so every weight address, comes from an earlier kernel: nothing before
@@ -85,7 +97,9 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         expert = tl.load(ids_ptr + pair) - expert_start
     else:
         rows = token + tl.arange(0, 1)
-        ids, _ = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+        ids, _ = topk_rows(
+            logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1, TOPK_SOFTMAX
+        )
         slots = tl.arange(0, K_PAD)
         expert = tl.sum(tl.where(slots[None, :] == pair % TOPK, ids, 0)) - expert_start
     if (expert < 0) | (expert >= num_local):
@@ -106,7 +120,16 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
         acc_gate += tl.sum(gate * x[None, :], axis=1)
         acc_up += tl.sum(up * x[None, :], axis=1)
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    if HAS_BIAS:
+        bias = b13_ptr + expert.to(tl.int64) * stride_b13 + cols
+        acc_gate += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)
+        acc_up += tl.load(bias + INTER, mask=col_mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    else:
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(act_ptr + pair.to(tl.int64) * INTER + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -139,16 +162,22 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     SHARED: tl.constexpr,
     ROUTED: tl.constexpr,
     PDL: tl.constexpr,
+    b2_ptr=None,
+    stride_b2=0,
+    HAS_BIAS: tl.constexpr = False,
+    TOPK_SOFTMAX: tl.constexpr = False,
 ):
-    """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n]) over this rank's experts
-    (+ sigmoid(gate) * shared[token, n])."""
+    """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n] (+ b2[e_j][n] with HAS_BIAS)) over
+    this rank's experts (+ sigmoid(gate) * shared[token, n])."""
     token = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if not ROUTED:
         rows = token + tl.arange(0, 1)
-        ids, weights = topk_rows(logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1)
+        ids, weights = topk_rows(
+            logits_ptr, rows, rows >= 0, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, 1, TOPK_SOFTMAX
+        )
         slots = tl.arange(0, K_PAD)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_mask = cols < HIDDEN
@@ -175,6 +204,10 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
             m = col_mask[:, None] & k_mask[None, :]
             w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
             part += tl.sum(w * a[None, :], axis=1)
+        if HAS_BIAS:
+            # Another rank's expert reads local expert 0's row (a valid address) and adds none of it.
+            bias = b2_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_b2 + cols
+            part += tl.where(mine, tl.load(bias, mask=col_mask, other=0.0).to(tl.float32), 0.0)
         acc += weight * part
     if SHARED:
         gate = tl.load(shared_gate_ptr + token.to(tl.int64) * stride_gate).to(tl.float32)

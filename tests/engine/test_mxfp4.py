@@ -128,6 +128,37 @@ def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(
     assert before != want
 
 
+def test_mxfp4_tp2_and_expert_parallel_match_hf(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """Each rank dequantizes only its shard: a slice of every expert (TP) or its own experts (EP)."""
+    import torch.multiprocessing as mp
+
+    from .test_moe_models import MAX_NEW, _worker, free_port
+
+    write_mxfp4(tiny_model_dir("gpt_oss"), tmp_path / "dense", tmp_path / "mxfp4")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 4)]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = [
+            hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    jobs = {"mxfp4": (str(tmp_path / "mxfp4"), prompts)}
+    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        for mode in ("tp", "ep"):
+            assert results[rank][f"mxfp4/{mode}"]["tokens"] == want, (rank, mode)
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_dummy_weights_draw_both_layouts(
     quantized: bool, tiny_model_dir: Callable[..., Path], tmp_path: Path
@@ -155,4 +186,19 @@ def test_unsupported_quantization_is_named(tiny_model_dir: Callable[..., Path], 
     config["quantization_config"] = {"quant_method": "awq"}
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        LLM(str(model_dir), device="cpu")
+
+
+def test_mxfp4_outside_the_experts_is_named(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("gpt_oss"), model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(tiny_model_dir("gpt_oss") / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    blocks, scales, _ = quantize(weights.pop(name).unsqueeze(0))
+    weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks[0], scales[0]
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"o_proj\.weight_blocks' is not an MoE expert projection"):
         LLM(str(model_dir), device="cpu")

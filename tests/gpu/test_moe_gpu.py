@@ -217,3 +217,32 @@ def test_expert_parallel_tp2_graphs_match_eager(
     expected = run(model_dir, batch, tp_size=2, enable_expert_parallel=True, chunk_size=64, **GRAPHS_OFF)
     outs = run(model_dir, batch, tp_size=2, enable_expert_parallel=True, chunk_size=64)
     assert_moe_greedy_agrees(greedy_disagreements, expected, outs)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "rank", "ep"), [(1, 0, False), (2, 1, False), (256, 0, False), (256, 1, True)]
+)
+def test_gpt_oss_options_match_the_reference(tokens: int, rank: int, ep: bool) -> None:
+    """gpt-oss-20b's layer shape (32 experts, top 4, hidden and intermediate 2880): top-k-then-softmax
+    routing, biased experts (the down bias only on the rank of the first intermediate slice), the clamped
+    SwiGLU, on a shard of two ranks."""
+    from tandem.engine.moe.fused import FusedMoE
+
+    e, k, h, i = 32, 4, 2880, 2880
+    g = torch.Generator(device=DEVICE).manual_seed(tokens + rank)
+    spec = MoESpec(e, k, i, False, (True,), scoring="topk_softmax", router_bias=True, expert_bias=True,
+                   activation="swiglu_clamped", swiglu_limit=7.0, gpt_oss_layout=True)  # fmt: skip
+    shard = ExpertShard.of(spec, rank, 2, expert_parallel=ep)
+    experts, inter = shard.num_local, shard.inter_size
+    w13 = (torch.randn(experts, 2 * inter, h, generator=g, device=DEVICE) * 4 / h**0.5).bfloat16()
+    w2 = (torch.randn(experts, h, inter, generator=g, device=DEVICE) / inter**0.5).bfloat16()
+    b13 = torch.randn(experts, 2 * inter, generator=g, device=DEVICE).bfloat16()
+    b2 = torch.randn(experts, h, generator=g, device=DEVICE).bfloat16()
+    x = torch.randn(tokens, h, generator=g, device=DEVICE).bfloat16()
+    logits = torch.randn(tokens, e, generator=g, device=DEVICE).bfloat16()
+    got = FusedMoE(spec, shard, h)(x, logits, w13, w2, None, None, False, b13, b2)
+    weights, ids = reference_choice(logits.cpu(), k, renormalize=False, scoring="topk_softmax")
+    down_bias = b2 if shard.inter_start == 0 else None
+    want = reference_experts(x, weights, ids, w13, w2, expert_start=shard.expert_start, spec=spec, b13=b13,
+                             b2=down_bias)  # fmt: skip
+    assert relative_rms(got, want) < 1e-2

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 CASES: list[dict[str, Any]] = [
     # tokens, experts, k, hidden, intermediate, renormalize, rank, ranks, expert parallel, ties, shared, dtype
     {"T": 1, "E": 8, "k": 2, "H": 64, "I": 48, "renorm": True, "rank": 0, "size": 1, "ep": False},
@@ -82,6 +84,31 @@ CASES: list[dict[str, Any]] = [
     },
     # 75 pairs per expert: the 64-row blocks, three routing programs.
     {"T": 300, "E": 16, "k": 4, "H": 96, "I": 80, "renorm": True, "rank": 0, "size": 1, "ep": False},
+    # gpt-oss's options: top-k-then-softmax routing, biases (the down bias on the first slice's rank
+    # only), the clamped SwiGLU; both paths, a TP shard with and without the down bias, and EP.
+    *(
+        {
+            "T": t,
+            "E": 8,
+            "k": 2,
+            "H": 64,
+            "I": 48,
+            "renorm": False,
+            "rank": r,
+            "size": 2,
+            "ep": ep,
+            "ties": ties,
+            "gptoss": True,
+        }
+        for t, r, ep, ties in [
+            (1, 0, False, False),
+            (2, 1, False, True),
+            (2, 1, True, False),
+            (37, 0, False, True),
+            (37, 1, False, False),
+            (37, 1, True, False),
+        ]
+    ),
 ]
 SCRIPT = """
 import json, sys, torch
@@ -95,7 +122,10 @@ for c in json.loads(sys.argv[1]):
     small = T <= SMALL_MAX_TOKENS
     dtype = getattr(torch, c.get("dtype", "bfloat16" if small else "float16"))
     g = torch.Generator().manual_seed(T * 7 + E)
-    spec = MoESpec(E, k, I, c["renorm"], (True,))
+    gptoss = c.get("gptoss", False)
+    options = dict(scoring="topk_softmax", router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                   swiglu_limit=1.0, gpt_oss_layout=True) if gptoss else {}
+    spec = MoESpec(E, k, I, c["renorm"], (True,), **options)
     shard = ExpertShard.of(spec, c["rank"], c["size"], expert_parallel=c["ep"])
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
@@ -109,17 +139,25 @@ for c in json.loads(sys.argv[1]):
     mine2 = w2[e0:e0 + el, :, lo:lo + n].contiguous()
     shared = torch.randn(T, H, generator=g).to(dtype) if c.get("shared") else None
     gate = torch.randn(T, 1, generator=g).to(dtype) if c.get("shared") else None
+    b13 = b2 = None
+    if gptoss:
+        full13, full2 = torch.randn(E, 2 * I, generator=g).to(dtype), torch.randn(E, H, generator=g).to(dtype)
+        b13 = torch.cat([full13[e0:e0 + el, lo:lo + n], full13[e0:e0 + el, I + lo:I + lo + n]], 1)
+        b2 = full2[e0:e0 + el].contiguous()
+        b13 = b13.contiguous()
     fused = FusedMoE(spec, shard, H)
-    got = fused(x, logits, mine13, mine2, shared, gate).float()
-    weights, ids = reference_choice(logits, k, renormalize=c["renorm"])
-    want = reference_experts(x, weights, ids, mine13, mine2, expert_start=e0)
+    got = fused(x, logits, mine13, mine2, shared, gate, False, b13, b2).float()
+    weights, ids = reference_choice(logits, k, renormalize=c["renorm"], scoring=spec.scoring)
+    want = reference_experts(x, weights, ids, mine13, mine2, expert_start=e0, spec=spec if gptoss else None,
+                             b13=b13, b2=b2 if lo == 0 else None)
     if shared is not None:
         want = want + torch.sigmoid(gate.float()) * shared.float()
     # Relative to the output's scale: the kernels round the activation and each pair's row once.
     result = {"err": float((got - want).abs().max() / want.abs().max()), "small": small,
               "empty_experts": E - len(set(ids.flatten().tolist()))}
     if small:  # the other launch plan: every up and down program routes its token itself
-        own = fused._small(x, logits, mine13, mine2, shared, gate, blocks=SmallBlocks(routed=False))
+        own = fused._small(x, logits, mine13, mine2, shared, gate, blocks=SmallBlocks(routed=False),
+                           biases=(b13, b2))
         result["err_unrouted"] = float((own.float() - want).abs().max() / want.abs().max())
     else:
         r = fused.route(logits)
@@ -178,10 +216,15 @@ print(json.dumps({"layers": len(layers), "same": [o.token_ids == w for o, w in z
 """
 
 
+@pytest.mark.parametrize(("family", "layers"), [("qwen2_moe", 3), ("gpt_oss", 4)])
 def test_a_whole_model_on_the_fused_path_gives_hf_greedy_tokens(
-    triton_interpreter: Callable[[str, object], Any], tiny_model_dir: Callable[..., Any]
+    triton_interpreter: Callable[[str, object], Any],
+    tiny_model_dir: Callable[..., Any],
+    family: str,
+    layers: int,
 ) -> None:
-    """Qwen2-MoE (a shared expert, a dense layer) in float32 with every MoE layer on the Triton kernels:
-    prefill chunks and decode steps of one to three rows take both paths."""
-    out = triton_interpreter(MODEL_SCRIPT, str(tiny_model_dir("qwen2_moe")))
-    assert out == {"layers": 3, "same": [True, True, True]}
+    """Qwen2-MoE (a shared expert, a dense layer) and gpt-oss (top-k-then-softmax routing, biases, the
+    clamped SwiGLU) in float32 with every MoE layer on the Triton kernels: prefill chunks and decode
+    steps of one to three rows take both paths."""
+    out = triton_interpreter(MODEL_SCRIPT, str(tiny_model_dir(family)))
+    assert out == {"layers": layers, "same": [True, True, True]}
