@@ -81,24 +81,24 @@ class IncrementalDetokenizer:
             self.text += new
             return new
         pending = self._held + new
-        cut = _first_stop(pending, self._stop)
+        cut = first_stop(pending, self._stop)
         if cut is not None:
             self.stopped = True
             self._held = ""
             self.text += pending[:cut]
             return pending[:cut]
-        keep = _partial_stop_len(pending, self._stop)
+        keep = partial_stop_len(pending, self._stop)
         out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
+def first_stop(text: str, stops: list[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
-def _partial_stop_len(text: str, stops: list[str]) -> int:
+def partial_stop_len(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
     best = 0
     for stop in stops:

@@ -129,7 +129,8 @@ class OpenAIService:
         """The job as the model's chat format runs it, and the format that reads its replies."""
         model, created = self._model_named(request), int(time.time())
         if self._harmony is not None:
-            return self._harmony.prepare(job), self._harmony.chat_format(job.request_id, model, created)
+            job = self._harmony.prepare(job)
+            return job, self._harmony.chat_format(job, model, created)
         if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
             job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
         fmt = ChatFormat(job.request_id, model, created, tools=job.tool_mode, reasoning=self._reasoning)

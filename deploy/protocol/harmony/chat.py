@@ -76,5 +76,6 @@ class HarmonyChat:
             sampling=replace(job.sampling, stop_token_ids=stops),
         )
 
-    def chat_format(self, response_id: str, model: str, created: int) -> HarmonyChatFormat:
-        return HarmonyChatFormat(response_id, model, created, self.tokens)
+    def chat_format(self, job: GenerateJob, model: str, created: int) -> HarmonyChatFormat:
+        """The format that reads the replies of `job` (prepared): its stop strings cut the fields."""
+        return HarmonyChatFormat(job.request_id, model, created, self.tokens, job.sampling.stop_strings)
