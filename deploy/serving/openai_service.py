@@ -93,7 +93,8 @@ class OpenAIService:
         self._backend = backend
         self._adapters = adapters
         self._announce = announce
-        self._reasoning = reasoning_format(reasoning_parser)
+        # A harmony model's reasoning is its analysis channel (`openai_gptoss` is that parser's name).
+        self._reasoning = None if harmony is not None else reasoning_format(reasoning_parser)
         self._harmony = harmony  # a gpt-oss model: chats are rendered and read as harmony
         self._limits = limits or RequestLimits()
         self.served_model_name = served_model_name

@@ -20,6 +20,7 @@ from tandem.deploy.protocol.jobs import GenerateJob
 
 REASONING_EFFORTS = ("low", "medium", "high")
 DEFAULT_REASONING_EFFORT = "medium"
+HARMONY_REASONING_PARSER = "openai_gptoss"  # vLLM's --reasoning-parser name for gpt-oss: harmony
 
 
 class HarmonyChat:
@@ -27,10 +28,27 @@ class HarmonyChat:
         self.tokens = tokens
 
     @classmethod
-    def for_model(cls, model_type: str | None, tokenizer: Any) -> HarmonyChat | None:
-        """The harmony format for a gpt-oss model (config.json `model_type` "gpt_oss"), None for others;
-        a ValueError when the model's tokenizer lacks the harmony tokens."""
-        return cls(HarmonyTokens.of(tokenizer)) if uses_harmony(model_type) else None
+    def for_model(
+        cls, model_type: str | None, tokenizer: Any, reasoning_parser: str | None = None
+    ) -> HarmonyChat | None:
+        """The harmony format for a gpt-oss model (config.json `model_type` "gpt_oss") or under
+        `--reasoning-parser openai_gptoss`, None for others. A ValueError naming the flag for another
+        reasoning parser on a gpt-oss model, and when the model's tokenizer lacks the harmony tokens."""
+        asked = reasoning_parser == HARMONY_REASONING_PARSER
+        if uses_harmony(model_type) and reasoning_parser is not None and not asked:
+            raise ValueError(
+                f"--reasoning-parser (reasoning_parser) {reasoning_parser!r} does not apply to this "
+                f"{model_type} model, whose chats are served in the harmony format (its analysis channel "
+                f"is the reasoning): leave it unset or set {HARMONY_REASONING_PARSER!r}"
+            )
+        if not (asked or uses_harmony(model_type)):
+            return None
+        try:
+            return cls(HarmonyTokens.of(tokenizer))
+        except ValueError as exc:
+            if not asked:
+                raise
+            raise ValueError(f"--reasoning-parser {HARMONY_REASONING_PARSER}: {exc}") from None
 
     @staticmethod
     def chat_template(configured: str | None, tokenizer: Any) -> str | None:
