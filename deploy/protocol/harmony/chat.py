@@ -14,9 +14,11 @@ from typing import Any
 from tandem.deploy.protocol.errors import invalid_request
 from tandem.deploy.protocol.harmony.chat_format import HarmonyChatFormat
 from tandem.deploy.protocol.harmony.messages import harmony_messages
+from tandem.deploy.protocol.harmony.parser import HarmonyReply, read_reply
 from tandem.deploy.protocol.harmony.template import HARMONY_TEMPLATE
 from tandem.deploy.protocol.harmony.tokens import HarmonyTokens, uses_harmony
 from tandem.deploy.protocol.jobs import GenerateJob
+from tandem.deploy.protocol.tool_calls import new_call_id
 
 REASONING_EFFORTS = ("low", "medium", "high")
 DEFAULT_REASONING_EFFORT = "medium"
@@ -93,6 +95,10 @@ class HarmonyChat:
             tools=job.tools if shown else None,
             sampling=replace(job.sampling, stop_token_ids=stops),
         )
+
+    def read(self, token_ids: list[int], job: GenerateJob) -> HarmonyReply:
+        """A whole reply of `job` (prepared), read by channel; its stop strings cut the fields."""
+        return read_reply(self.tokens, token_ids, new_call_id, job.sampling.stop_strings)
 
     def chat_format(self, job: GenerateJob, model: str, created: int) -> HarmonyChatFormat:
         """The format that reads the replies of `job` (prepared): its stop strings cut the fields."""

@@ -21,13 +21,10 @@ from tandem.deploy.protocol.harmony.tokens import HarmonyTokens
 from tandem.deploy.protocol.tool_calls import new_call_id
 from tandem.deploy.serving.http import build_http_app
 from tandem.deploy.serving.openai_service import OpenAIService
-from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
-from tandem.replicas.request_stream import RequestStream
-from tandem.scheduler.messages import TokenOutput
-from tandem.scheduler.sampling_params import SamplingParams
 
-from ..fakes import MODEL, STEP_S, FakeReplica, InProcessBackend
-from ..harmony_tokenizer import encode, harmony_tokenizer
+from ..fakes import MODEL, InProcessBackend
+from ..harmony_fakes import HarmonyReplica
+from ..harmony_tokenizer import encode
 
 ANALYSIS = "<|channel|>analysis<|message|>They want the weather in Paris; call the tool.<|end|>"
 CALL = (
@@ -44,45 +41,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-
-
-class HarmonyReplica(FakeReplica):
-    """Writes `reply` one token per step, whatever the prompt, ending at a stop token of the request's
-    (as the scheduler does) or at max_tokens."""
-
-    def __init__(self, reply: str) -> None:
-        super().__init__(max_model_len=4096)
-        self.tokenizer = harmony_tokenizer()
-        self.reply = encode(self.tokenizer, reply)
-        self.generated: list[list[int]] = []  # each request's tokens, as far as it ran
-
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        sampling.validate()  # any prompt: the fake's unlucky token 13 is common in a harmony prompt
-
-    async def submit(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, *args: Any, **kw: Any
-    ) -> Any:
-        stream = await super().submit(prompt_token_ids, sampling, *args, **kw)
-        # The replica's own detokenizer, so that stop strings end the reply where the replica ends it.
-        stream.detok = IncrementalDetokenizer(
-            TokenDecoder(self.tokenizer), prompt_token_ids, sampling.stop_strings
-        )
-        return stream
-
-    async def _produce(self, stream: RequestStream, prompt: list[int], sampling: SamplingParams) -> None:
-        generated: list[int] = []
-        self.generated.append(generated)
-        for step, token in enumerate(self.reply[: sampling.max_tokens]):
-            await asyncio.sleep(STEP_S)
-            if stream.finished:  # a stop string ended it
-                return
-            generated.append(token)
-            stop = token in (sampling.stop_token_ids or [])
-            last = stop or step == sampling.max_tokens - 1
-            finish = ("stop" if stop else "length") if last else None
-            stream.merge(TokenOutput(stream.rid, token, finish, cached_tokens=0 if step == 0 else None))
-            if last:
-                return
 
 
 def harmony_service(reply: str) -> tuple[OpenAIService, HarmonyReplica]:
