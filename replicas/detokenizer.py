@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from tandem.scheduler.sampling_params import first_stop, partial_stop_len
+
 # Prompt ids that seed a request's stream, so its first output token decodes in context (a
 # SentencePiece "▁word" keeps its space after a prompt, as it would in the full text).
 PROMPT_CONTEXT_IDS = 4
@@ -91,19 +93,3 @@ class IncrementalDetokenizer:
         out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
-
-
-def first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

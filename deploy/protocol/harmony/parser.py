@@ -25,7 +25,7 @@ from typing import Literal
 from tokenizers.decoders import DecodeStream
 
 from tandem.deploy.protocol.harmony.tokens import HarmonyTokens
-from tandem.replicas.detokenizer import first_stop, partial_stop_len
+from tandem.scheduler.sampling_params import first_stop, partial_stop_len
 
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
