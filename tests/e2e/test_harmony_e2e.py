@@ -46,6 +46,14 @@ def post(app: Any, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{app.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
+def stream_chunks(app: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{app.base_url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 def harmony_prompt_len(tokenizer: Any, effort: str) -> int:
     text = tokenizer.apply_chat_template(
         harmony_messages(CHAT),
@@ -89,6 +97,11 @@ def test_return_and_call_end_the_reply(app: Any, tokenizer: Any, marker: str) ->
     # Not the model's eos: with ignore_eos the same reply runs on to max_tokens.
     longer = post(app, {**body, "ignore_eos": True}).json()
     assert longer["choices"][0]["finish_reason"] == "length" and longer["usage"]["completion_tokens"] == 6
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = stream_chunks(app, streamed)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
 
 
 def test_streamed_chat_has_the_same_shape_and_usage(app: Any, tokenizer: Any) -> None:
@@ -100,11 +113,7 @@ def test_streamed_chat_has_the_same_shape_and_usage(app: Any, tokenizer: Any) ->
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", f"{app.base_url}/v1/chat/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = stream_chunks(app, body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert all(set(d) <= {"content", "reasoning_content", "tool_calls"} for d in deltas[1:])
