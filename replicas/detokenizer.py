@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from tandem.scheduler.sampling_params import first_stop, partial_stop_len
+
 # Prompt ids that seed a request's stream, so its first output token decodes in context (a
 # SentencePiece "▁word" keeps its space after a prompt, as it would in the full text).
 PROMPT_CONTEXT_IDS = 4
@@ -89,13 +91,13 @@ class IncrementalDetokenizer:
             self.text += new
             return new
         pending = self._held + new
-        cut = _first_stop(pending, self._stop)
+        cut = first_stop(pending, self._stop)
         if cut is not None:
             self.stopped = True
             self._held = ""
             self.text += pending[:cut]
             return pending[:cut]
-        keep = _partial_stop_len(pending, self._stop)
+        keep = partial_stop_len(pending, self._stop)
         out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
@@ -116,19 +118,3 @@ def _prompt_seed(decoder: TokenDecoder, prompt_ids: list[int]) -> tuple[list[int
                 return tail[start:cut], tail[cut:]
     # Text that really holds U+FFFD (or ids that decode to nothing): the last ids, as they are.
     return prompt_ids[-PROMPT_CONTEXT_IDS:], []
-
-
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best

@@ -160,3 +160,20 @@ def to_spec(params: SamplingParams) -> SamplingSpec:
     return SamplingSpec(
         **values, stop_token_ids=tuple(params.stop_token_ids or ()), logit_bias=bias, grammar=grammar
     )
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first of `stops` begins in `text`, None if none is in it."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

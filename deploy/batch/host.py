@@ -83,14 +83,7 @@ class EngineHost:
         except BaseException:
             self.close()
             raise
-        # A gpt-oss model's chats are rendered and read as harmony, as the server's are.
-        self.harmony = HarmonyChat.for_model(self.replica.model_type, self.replica.tokenizer)
-        template = spec.chat_template
-        if self.harmony is not None:
-            template = self.harmony.chat_template(template, self.replica.tokenizer)
-        self.generation = GenerationService(
-            self.replica, NullMetrics(), vocab_size=self.replica.vocab_size, chat_template=template
-        )
+        self.harmony, self.generation = chat_service(self.replica, spec.chat_template)
 
     async def _warm_up(self) -> None:
         """A few short requests before the actor takes rows, so that first-use work (kernel setup,
@@ -131,6 +124,18 @@ class EngineHost:
         self._thread.join(SHUTDOWN_TIMEOUT_S)
         self._loop.close()
         placement.release(self.group)
+
+
+def chat_service(replica: Any, chat_template: str | None) -> tuple[HarmonyChat | None, GenerationService]:
+    """The request path over a started replica, and the harmony format when its model is gpt-oss: its
+    chats are then rendered and read as harmony, as the server's are."""
+    harmony = HarmonyChat.for_model(replica.model_type, replica.tokenizer)
+    if harmony is not None:
+        chat_template = harmony.chat_template(chat_template, replica.tokenizer)
+    generation = GenerationService(
+        replica, NullMetrics(), vocab_size=replica.vocab_size, chat_template=chat_template
+    )
+    return harmony, generation
 
 
 def exit_for_restart(reason: BaseException) -> NoReturn:

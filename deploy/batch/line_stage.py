@@ -13,7 +13,7 @@ import logging
 
 import pyarrow as pa
 
-from tandem.deploy.batch.host import EngineFailure, EngineSpec, exit_for_restart
+from tandem.deploy.batch.host import EngineFailure, EngineHost, EngineSpec, exit_for_restart
 from tandem.deploy.batch.lines import LineError, error_line, parse_line, response_line
 from tandem.deploy.batch.stage import EngineStage
 from tandem.deploy.config.args import DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_PROMPT_CHARS_PER_TOKEN
@@ -30,8 +30,8 @@ ADMITTED_PER_RUNNING = 2
 
 
 class LineStage(EngineStage):
-    def __init__(self, spec: EngineSpec, served_model_name: str) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: EngineSpec, served_model_name: str, host: EngineHost | None = None) -> None:
+        super().__init__(spec, host)
         replica = self._host.replica
         limits = RequestLimits(
             max_choices=DEFAULT_MAX_CHOICES_PER_REQUEST,

@@ -1,5 +1,8 @@
 """The processor's engine stage: a batch of rows in, the same rows with the generated columns out.
 
+A gpt-oss (harmony) model's chat rows are rendered as harmony and their replies read by channel:
+`generated_text` is the final answer, `reasoning_content` the analysis (deploy/protocol/harmony).
+
 Every row of a batch goes to the engine at once, and the actor runs several batches at once, so the
 engine's queue never empties while rows remain. A row that cannot run gets an `error` and the job goes
 on; an engine that fails ends the actor, and Ray retries its batches on a fresh one.
@@ -14,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tandem.deploy.batch.host import EngineFailure, EngineSpec, exit_for_restart
+from tandem.deploy.batch.host import EngineFailure, EngineHost, EngineSpec, exit_for_restart
 from tandem.deploy.batch.rows import INPUT_COLUMNS, RowError, RowOutput, row_job, with_outputs
 from tandem.deploy.batch.stage import EngineStage
 from tandem.deploy.protocol.errors import OpenAIError
@@ -22,8 +25,8 @@ from tandem.deploy.protocol.jobs import JobRejected
 
 
 class RowStage(EngineStage):
-    def __init__(self, spec: EngineSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: EngineSpec, host: EngineHost | None = None) -> None:
+        super().__init__(spec, host)
         self._ids = itertools.count()
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -38,10 +41,15 @@ class RowStage(EngineStage):
         return list(await asyncio.gather(*(self._generate(row) for row in rows)))
 
     async def _generate(self, row: dict[str, Any]) -> RowOutput:
+        harmony = self._host.harmony
         try:
             job = row_job(row, f"batch-{next(self._ids)}")
+            # A gpt-oss chat row is rendered and stopped as harmony, as the server's chats are.
+            job = harmony.prepare(job) if harmony is not None and job.messages is not None else job
         except RowError as exc:
             return RowOutput(error=str(exc))
+        except OpenAIError as exc:  # what harmony cannot serve (an output constraint)
+            return RowOutput(error=exc.message)
         started = time.perf_counter()
         try:
             run = await self._host.generation.start(job)
@@ -65,6 +73,10 @@ class RowStage(EngineStage):
         if out.finish_reason == "error":
             await self.ensure_healthy(out.error or "generation failed")
         out.generated_text = "".join(pieces)
+        if harmony is not None and job.messages is not None:
+            # Its reply read by channel: the final answer is the text, the analysis the reasoning.
+            reply = harmony.read(out.generated_tokens, job)
+            out.generated_text, out.reasoning_content = reply.content or "", reply.reasoning
         out.time_taken_llm = time.perf_counter() - started
         return out
 

@@ -38,6 +38,8 @@ def row_job(row: dict[str, Any], request_id: str) -> GenerateJob:
         "request_id": request_id,
         "sampling": sampling,
         "max_tokens": sampling.max_tokens,
+        # What a refused or failed constraint names.
+        "structured_param": "sampling_params.structured_outputs" if sampling.structured_outputs else None,
     }
     if prompt is not None:
         return GenerateJob(prompts=[_prompt(prompt)], **common)
@@ -116,12 +118,14 @@ class RowOutput:
     finish_reason: str | None = None
     time_taken_llm: float = 0.0
     error: str | None = None
+    reasoning_content: str | None = None  # a harmony (gpt-oss) chat's analysis channel; None for others
 
 
 # The output columns with fixed types, so every block has the same schema whatever its rows hold.
 OUTPUT_SCHEMA = pa.schema(
     [
         ("generated_text", pa.string()),
+        ("reasoning_content", pa.string()),
         ("generated_tokens", pa.list_(pa.int64())),
         ("num_input_tokens", pa.int64()),
         ("num_generated_tokens", pa.int64()),
@@ -136,6 +140,7 @@ def with_outputs(batch: pa.Table, outputs: list[RowOutput]) -> pa.Table:
     """The batch with the output columns set (replacing any of the same name), rows in order."""
     values = {
         "generated_text": [o.generated_text for o in outputs],
+        "reasoning_content": [o.reasoning_content for o in outputs],
         "generated_tokens": [o.generated_tokens for o in outputs],
         "num_input_tokens": [o.num_input_tokens for o in outputs],
         "num_generated_tokens": [len(o.generated_tokens) for o in outputs],

@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 class EngineStage:
     """Base of the Ray Data callable classes that run one engine per actor."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        self._host = EngineHost(spec)
+    def __init__(self, spec: EngineSpec, host: EngineHost | None = None) -> None:
+        self._host = host if host is not None else EngineHost(spec)  # a given host: tests, in process
 
     async def ensure_healthy(self, failure: str) -> None:
         """Raise EngineFailure if a request failed because the engine did (a rank gone); return if the

@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--reasoning-parser",
-        choices=["deepseek_r1", "qwen3"],
+        choices=["deepseek_r1", "qwen3", "openai_gptoss"],
         default=None,
-        help="Split <think>...</think> out of chat replies into reasoning_content (as vLLM's flag).",
+        help="Split <think>...</think> out of chat replies into reasoning_content (as vLLM's flag); "
+        "openai_gptoss: the harmony format, which gpt-oss models get without the flag.",
     )
     serve.add_argument(
         "--drain-timeout",

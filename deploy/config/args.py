@@ -225,11 +225,13 @@ class AppArgs(BaseModel):
         "`<served_model_name>:<name>` serves `<folder>/<name>`, loaded on first use (Ray Serve LLM's "
         "dynamic LoRA loading). Turns engine.enable_lora on.",
     )
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "openai_gptoss"] | None = Field(
         default=None,
         description="Split a reasoning model's <think>...</think> out of chat replies into "
         "`reasoning_content` (as vLLM's --reasoning-parser); tool calls and structured outputs then apply "
-        "to what follows the reasoning.",
+        "to what follows the reasoning. `openai_gptoss` (vLLM's name for gpt-oss) serves chats in the "
+        "harmony format, which gpt-oss models get without it; another parser for a gpt-oss model fails "
+        "at start.",
     )
     stuck_rank_timeout_s: float = Field(
         default=DEFAULT_STUCK_RANK_TIMEOUT_S,

@@ -98,7 +98,8 @@ class OpenAIService:
         self._backend = backend
         self._adapters = adapters
         self._announce = announce
-        self._reasoning = reasoning_format(reasoning_parser)
+        # A harmony model's reasoning is its analysis channel (`openai_gptoss` is that parser's name).
+        self._reasoning = None if harmony is not None else reasoning_format(reasoning_parser)
         self._harmony = harmony  # a gpt-oss model: chats are rendered and read as harmony
         self._tool_call_parser = tool_call_parser
         self._auto_tool_choice = enable_auto_tool_choice
@@ -136,7 +137,8 @@ class OpenAIService:
         """The job as the model's chat format runs it, and the format that reads its replies."""
         model, created = self._model_named(request), int(time.time())
         if self._harmony is not None:
-            return self._harmony.prepare(job), self._harmony.chat_format(job.request_id, model, created)
+            job = self._harmony.prepare(job)
+            return job, self._harmony.chat_format(job, model, created)
         if self._reasoning is not None:  # constraints apply after the reasoning (service.py)
             job = dataclasses.replace(job, reasoning_end=self._reasoning.end)
         job = self._with_tool_parser(job)

@@ -109,7 +109,9 @@ class LLMServer:
         await self._replica.start()
         self._metrics = ServingMetrics(served_model_name)
         # A gpt-oss model is always served in the harmony format (deploy/protocol/harmony).
-        harmony = HarmonyChat.for_model(getattr(self._replica, "model_type", None), self._replica.tokenizer)
+        harmony = HarmonyChat.for_model(
+            getattr(self._replica, "model_type", None), self._replica.tokenizer, reasoning_parser
+        )
         if harmony is not None:
             chat_template = harmony.chat_template(chat_template, self._replica.tokenizer)
         # Token ids are checked against the model's vocabulary before they can reach a rank.

@@ -31,7 +31,14 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from .tokenizer import EOS_TOKEN, IM_END_TOKEN, MODEL_MAX_LENGTH, load_tiny_tokenizer, special_token_ids
+from .tokenizer import (
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    MODEL_MAX_LENGTH,
+    load_harmony_tokenizer,
+    load_tiny_tokenizer,
+    special_token_ids,
+)
 
 FAMILIES: tuple[str, ...] = (
     "llama",
@@ -164,7 +171,13 @@ def _check_family(family: str) -> None:
 
 def tiny_config(family: str, **config_overrides: Any) -> PretrainedConfig:
     """The transformers config `make_tiny_model` would write, before weights exist."""
-    return _build_config(family, load_tiny_tokenizer(), config_overrides)
+    return _build_config(family, family_tokenizer(family), config_overrides)
+
+
+def family_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer a family's models ship: gpt-oss's has the harmony markers too (521 ids), since a
+    gpt-oss model is only served in the harmony format; every other family's is the 512-id ChatML one."""
+    return load_harmony_tokenizer() if family == "gpt_oss" else load_tiny_tokenizer()
 
 
 def _build_config(
@@ -251,7 +264,7 @@ def make_tiny_model(
     _check_family(family)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tiny_tokenizer()
+    tokenizer = family_tokenizer(family)
     config = _build_config(family, tokenizer, config_overrides)
     # Seeded for the spec, but forked so the caller's global RNG stream is left untouched; the weights that
     # matter come from `_reinit`'s private generator anyway.

@@ -18,6 +18,20 @@ EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+# gpt-oss's harmony markers, as its tokenizer.json has them among its special tokens. The tiny gpt-oss
+# tokenizer appends them after the 512 ids, so a tiny gpt-oss is served in the harmony format as the real
+# one is (deploy/protocol/harmony).
+HARMONY_TOKENS: tuple[str, ...] = (
+    "<|startoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+    "<|endofprompt|>",
+)
 # Total vocabulary, specials included. The specials are appended *after* training so they get the top ids
 # (509, 510, 511) as in real Qwen/Llama vocabularies; an engine that silently assumes pad/eos == 0 fails.
 VOCAB_SIZE = 512
@@ -68,6 +82,23 @@ def load_tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast
     if vocab_size != VOCAB_SIZE:
         backend = widen_backend(backend, vocab_size)
     return wrap_backend(backend)
+
+
+def load_harmony_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with gpt-oss's harmony markers appended as special tokens (ids 512 on), and
+    `chat_template` (none by default: the server then renders with tandem's harmony template, as it
+    does for a gpt-oss checkpoint that ships none)."""
+    backend = train_tiny_backend()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN, *HARMONY_TOKENS],
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_MAX_LENGTH,
+        chat_template=chat_template,
+    )
 
 
 def wrap_backend(backend: Tokenizer, **extra: str) -> PreTrainedTokenizerFast:

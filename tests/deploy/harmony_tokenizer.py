@@ -1,41 +1,19 @@
 """A tiny tokenizer with gpt-oss's harmony special tokens, for the harmony tests.
 
-The tiny byte-level BPE (engine/tiny) with the harmony markers added as special tokens, as gpt-oss's
-tokenizer.json has them, and tandem's harmony template as its chat template.
+The tiny gpt-oss tokenizer (engine/tiny: the byte-level BPE with the harmony markers added as special
+tokens, as gpt-oss's tokenizer.json has them), with tandem's harmony template as its chat template.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from tandem.deploy.protocol.harmony.template import HARMONY_TEMPLATE
-from tandem.engine.tiny.tokenizer import train_tiny_backend
-
-HARMONY_SPECIALS = (
-    "<|startoftext|>",
-    "<|return|>",
-    "<|constrain|>",
-    "<|channel|>",
-    "<|start|>",
-    "<|end|>",
-    "<|message|>",
-    "<|call|>",
-    "<|endofprompt|>",
-)
+from tandem.engine.tiny.tokenizer import load_harmony_tokenizer
 
 
 def harmony_tokenizer(chat_template: str | None = HARMONY_TEMPLATE) -> PreTrainedTokenizerFast:
-    backend = train_tiny_backend()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_SPECIALS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|return|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(HARMONY_SPECIALS),
-        clean_up_tokenization_spaces=False,
-        chat_template=chat_template,
-    )
+    return load_harmony_tokenizer(chat_template)
 
 
 def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

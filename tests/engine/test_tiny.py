@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from tandem.engine.tiny import FAMILIES, default_model_dir, load_tiny_tokenizer, make_tiny_model, tiny_config
-from tandem.engine.tiny.tokenizer import train_tiny_backend
+from tandem.engine.tiny.tokenizer import HARMONY_TOKENS, train_tiny_backend
 
 TinyDir = Callable[..., Path]
 
@@ -66,9 +66,14 @@ def test_dir_loads_in_transformers(family: str, tiny_model_dir: TinyDir) -> None
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(t.dtype == torch.float32 for t in load_file(path / "model.safetensors").values())
     tok = AutoTokenizer.from_pretrained(path)
-    assert len(tok) == model.config.vocab_size == 512
     assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token) == (EOT, EOT, None)
-    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    if family == "gpt_oss":  # the harmony markers after the 512 ids, and no template: tandem's harmony one
+        assert len(tok) == model.config.vocab_size == 512 + len(HARMONY_TOKENS)
+        assert tok.convert_tokens_to_ids(list(HARMONY_TOKENS)) == list(range(512, 512 + len(HARMONY_TOKENS)))
+        assert tok.chat_template is None
+    else:
+        assert len(tok) == model.config.vocab_size == 512
+        assert tok.chat_template and "<|im_start|>" in tok.chat_template
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [EOT, IM_END]
 

@@ -14,12 +14,15 @@ from typing import Any
 from tandem.deploy.protocol.errors import invalid_request
 from tandem.deploy.protocol.harmony.chat_format import HarmonyChatFormat
 from tandem.deploy.protocol.harmony.messages import harmony_messages
+from tandem.deploy.protocol.harmony.parser import HarmonyReply, read_reply
 from tandem.deploy.protocol.harmony.template import HARMONY_TEMPLATE
 from tandem.deploy.protocol.harmony.tokens import HarmonyTokens, uses_harmony
 from tandem.deploy.protocol.jobs import GenerateJob
+from tandem.deploy.protocol.tool_calls import new_call_id
 
 REASONING_EFFORTS = ("low", "medium", "high")
 DEFAULT_REASONING_EFFORT = "medium"
+HARMONY_REASONING_PARSER = "openai_gptoss"  # vLLM's --reasoning-parser name for gpt-oss: harmony
 
 
 class HarmonyChat:
@@ -27,10 +30,27 @@ class HarmonyChat:
         self.tokens = tokens
 
     @classmethod
-    def for_model(cls, model_type: str | None, tokenizer: Any) -> HarmonyChat | None:
-        """The harmony format for a gpt-oss model (config.json `model_type` "gpt_oss"), None for others;
-        a ValueError when the model's tokenizer lacks the harmony tokens."""
-        return cls(HarmonyTokens.of(tokenizer)) if uses_harmony(model_type) else None
+    def for_model(
+        cls, model_type: str | None, tokenizer: Any, reasoning_parser: str | None = None
+    ) -> HarmonyChat | None:
+        """The harmony format for a gpt-oss model (config.json `model_type` "gpt_oss") or under
+        `--reasoning-parser openai_gptoss`, None for others. A ValueError naming the flag for another
+        reasoning parser on a gpt-oss model, and when the model's tokenizer lacks the harmony tokens."""
+        asked = reasoning_parser == HARMONY_REASONING_PARSER
+        if uses_harmony(model_type) and reasoning_parser is not None and not asked:
+            raise ValueError(
+                f"--reasoning-parser (reasoning_parser) {reasoning_parser!r} does not apply to this "
+                f"{model_type} model, whose chats are served in the harmony format (its analysis channel "
+                f"is the reasoning): leave it unset or set {HARMONY_REASONING_PARSER!r}"
+            )
+        if not (asked or uses_harmony(model_type)):
+            return None
+        try:
+            return cls(HarmonyTokens.of(tokenizer))
+        except ValueError as exc:
+            if not asked:
+                raise
+            raise ValueError(f"--reasoning-parser {HARMONY_REASONING_PARSER}: {exc}") from None
 
     @staticmethod
     def chat_template(configured: str | None, tokenizer: Any) -> str | None:
@@ -76,5 +96,10 @@ class HarmonyChat:
             sampling=replace(job.sampling, stop_token_ids=stops),
         )
 
-    def chat_format(self, response_id: str, model: str, created: int) -> HarmonyChatFormat:
-        return HarmonyChatFormat(response_id, model, created, self.tokens)
+    def read(self, token_ids: list[int], job: GenerateJob) -> HarmonyReply:
+        """A whole reply of `job` (prepared), read by channel; its stop strings cut the fields."""
+        return read_reply(self.tokens, token_ids, new_call_id, job.sampling.stop_strings)
+
+    def chat_format(self, job: GenerateJob, model: str, created: int) -> HarmonyChatFormat:
+        """The format that reads the replies of `job` (prepared): its stop strings cut the fields."""
+        return HarmonyChatFormat(job.request_id, model, created, self.tokens, job.sampling.stop_strings)

@@ -4,10 +4,12 @@ A streamed chunk carries what its tokens added: `reasoning_content`, `content`, 
 OpenAI streams them (a call's first delta has its index, id, type and name, later ones add to its
 `arguments`). A whole response reads the same tokens with the same parser, so the streamed deltas of each
 field add up to the response's. A reply that called a function and stopped finishes with `tool_calls`.
+The request's stop strings end the fields where one begins (parser.py's `StopCut`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tandem.deploy.protocol.harmony.parser import CallDelta, HarmonyStream, read_reply
@@ -19,16 +21,19 @@ from tandem.deploy.protocol.tool_calls import new_call_id
 
 
 class HarmonyChatFormat(ChatFormat):
-    def __init__(self, response_id: str, model: str, created: int, tokens: HarmonyTokens) -> None:
+    def __init__(
+        self, response_id: str, model: str, created: int, tokens: HarmonyTokens, stops: Sequence[str] = ()
+    ) -> None:
         super().__init__(response_id, model, created)
         self._tokens = tokens
+        self._stops = list(stops)  # the request's stop strings: the fields end where one begins
         self._streams: dict[int, HarmonyStream] = {}
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         stream = self._streams.get(delta.index)
         if stream is None:
-            stream = self._streams[delta.index] = HarmonyStream(self._tokens, new_call_id)
-        parsed = stream.feed(delta.token_ids)
+            stream = self._streams[delta.index] = HarmonyStream(self._tokens, new_call_id, self._stops)
+        parsed = stream.feed(delta.token_ids, last=delta.finish_reason is not None)
         body: dict[str, Any] = {}
         if parsed.reasoning:
             body["reasoning_content"] = parsed.reasoning
@@ -50,7 +55,7 @@ class HarmonyChatFormat(ChatFormat):
     def response(self, choices: list[ChoiceResult], usage: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
-            reply = read_reply(self._tokens, c.token_ids, new_call_id)
+            reply = read_reply(self._tokens, c.token_ids, new_call_id, self._stops)
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": reply.content,

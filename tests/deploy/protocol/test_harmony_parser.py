@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tandem.deploy.protocol.harmony.parser import HarmonyDelta, HarmonyStream, read_header, read_reply
 from tandem.deploy.protocol.harmony.tokens import HarmonyTokens
+from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 
 from ..harmony_tokenizer import encode, harmony_tokenizer
 
@@ -150,3 +151,48 @@ def test_a_tokenizer_without_the_harmony_tokens_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"lacks the harmony special tokens \['<\|start\|>'"):
         HarmonyTokens.of(load_tiny_tokenizer())
+
+
+def replica_stop(tokenizer: PreTrainedTokenizerFast, ids: list[int], stops: list[str]) -> list[int]:
+    """The ids the replica generates before its detokenizer finds a stop string (the last one included)."""
+    detok = IncrementalDetokenizer(TokenDecoder(tokenizer), [], stops)
+    for n, token in enumerate(ids, 1):
+        detok.add(token)
+        if detok.stopped:
+            return ids[:n]
+    raise AssertionError(f"no stop string of {stops} in the reply")
+
+
+@pytest.mark.parametrize(
+    "stops, reasoning, content",
+    [
+        (["Paris —"], "The user wants Paris: café, 20°C ☕.", "It is 20°C in "),
+        (["°C ☕", "zzz"], "The user wants Paris: café, 20", None),  # cut inside a multi-byte character
+        # Matched as the replica matches: on the text with the markers left out, headers' words in.
+        (["☕.assistantfinalIt"], "The user wants Paris: café, 20°C ", None),
+    ],
+)
+def test_stop_strings_cut_the_fields_where_they_begin_however_the_reply_is_split(
+    tokenizer: PreTrainedTokenizerFast,
+    tokens: HarmonyTokens,
+    stops: list[str],
+    reasoning: str,
+    content: str | None,
+) -> None:
+    ids = replica_stop(tokenizer, encode(tokenizer, ANALYSIS + FINAL), stops)
+    whole = read_reply(tokens, ids, call_ids(), stops)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    for i in range(len(ids) + 1):
+        stream = HarmonyStream(tokens, call_ids(), stops)
+        deltas = [stream.feed(ids[:i]), stream.feed(ids[i:], last=True)]
+        assert joined(deltas)[:2] == (reasoning, content or "")
+        assert "\ufffd" not in reasoning + (content or "")
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_the_reply_ends(
+    tokenizer: PreTrainedTokenizerFast, tokens: HarmonyTokens
+) -> None:
+    ids = encode(tokenizer, "<|channel|>final<|message|>Paris is sunny")
+    stream = HarmonyStream(tokens, call_ids(), ["sunny and warm"])
+    assert stream.feed(ids).content == "Paris is "  # "sunny" may begin the stop string
+    assert stream.feed([], last=True).content == "sunny"  # cut off by max_tokens: released

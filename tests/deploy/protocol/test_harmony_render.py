@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from tandem.deploy.config.args import AppArgs
 from tandem.deploy.protocol.errors import OpenAIError
 from tandem.deploy.protocol.harmony.chat import HarmonyChat
 from tandem.deploy.protocol.harmony.messages import harmony_messages
@@ -155,6 +156,29 @@ def test_chosen_by_model_type() -> None:
     assert HarmonyChat.for_model("gpt_oss", harmony_tokenizer()) is not None
     with pytest.raises(ValueError, match="harmony special tokens"):
         HarmonyChat.for_model("gpt_oss", load_tiny_tokenizer())
+
+
+def test_reasoning_parser_openai_gptoss_means_harmony_and_another_is_refused_for_gpt_oss() -> None:
+    assert HarmonyChat.for_model("gpt_oss", harmony_tokenizer(), "openai_gptoss") is not None
+    # vLLM's name serves any model whose tokenizer has the harmony tokens in harmony...
+    assert HarmonyChat.for_model("qwen3", harmony_tokenizer(), "openai_gptoss") is not None
+    assert HarmonyChat.for_model("qwen3", harmony_tokenizer(), "qwen3") is None
+    # ...and names the flag when it has not.
+    with pytest.raises(ValueError, match=r"^--reasoning-parser openai_gptoss: .*harmony special tokens"):
+        HarmonyChat.for_model("qwen3", load_tiny_tokenizer(), "openai_gptoss")
+    for parser in ("qwen3", "deepseek_r1"):
+        with pytest.raises(
+            ValueError, match=rf"^--reasoning-parser \(reasoning_parser\) '{parser}' does not"
+        ):
+            HarmonyChat.for_model("gpt_oss", harmony_tokenizer(), parser)
+
+
+def test_the_serve_flag_takes_openai_gptoss() -> None:
+    from tandem.deploy.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "openai_gptoss"])
+    assert args.reasoning_parser == "openai_gptoss"
+    assert AppArgs.model_validate({"reasoning_parser": "openai_gptoss"}).reasoning_parser == "openai_gptoss"
 
 
 def job_of(body: dict[str, Any]) -> GenerateJob:

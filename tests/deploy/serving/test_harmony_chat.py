@@ -16,14 +16,15 @@ import pytest
 
 from tandem.deploy.protocol.errors import OpenAIError
 from tandem.deploy.protocol.harmony.chat import HarmonyChat
+from tandem.deploy.protocol.harmony.parser import read_reply
+from tandem.deploy.protocol.harmony.tokens import HarmonyTokens
+from tandem.deploy.protocol.tool_calls import new_call_id
 from tandem.deploy.serving.http import build_http_app
 from tandem.deploy.serving.openai_service import OpenAIService
-from tandem.replicas.request_stream import RequestStream
-from tandem.scheduler.messages import TokenOutput
-from tandem.scheduler.sampling_params import SamplingParams
 
-from ..fakes import MODEL, STEP_S, FakeReplica, InProcessBackend
-from ..harmony_tokenizer import encode, harmony_tokenizer
+from ..fakes import MODEL, InProcessBackend
+from ..harmony_fakes import HarmonyReplica
+from ..harmony_tokenizer import encode
 
 ANALYSIS = "<|channel|>analysis<|message|>They want the weather in Paris; call the tool.<|end|>"
 CALL = (
@@ -40,29 +41,6 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-
-
-class HarmonyReplica(FakeReplica):
-    """Writes `reply` one token per step, whatever the prompt, ending at a stop token of the request's
-    (as the scheduler does) or at max_tokens."""
-
-    def __init__(self, reply: str) -> None:
-        super().__init__(max_model_len=4096)
-        self.tokenizer = harmony_tokenizer()
-        self.reply = encode(self.tokenizer, reply)
-
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        sampling.validate()  # any prompt: the fake's unlucky token 13 is common in a harmony prompt
-
-    async def _produce(self, stream: RequestStream, prompt: list[int], sampling: SamplingParams) -> None:
-        for step, token in enumerate(self.reply[: sampling.max_tokens]):
-            await asyncio.sleep(STEP_S)
-            stop = token in (sampling.stop_token_ids or [])
-            last = stop or step == sampling.max_tokens - 1
-            finish = ("stop" if stop else "length") if last else None
-            stream.merge(TokenOutput(stream.rid, token, finish, cached_tokens=0 if step == 0 else None))
-            if last:
-                return
 
 
 def harmony_service(reply: str) -> tuple[OpenAIService, HarmonyReplica]:
@@ -204,3 +182,35 @@ def test_each_choice_is_read_on_its_own() -> None:
         assert "".join(d.get("content", "") for d in deltas) == "Sunny, 20°C — enjoy Paris."
     out = chat(service, n=2)
     assert [c["message"]["content"] for c in out["choices"]] == ["Sunny, 20°C — enjoy Paris."] * 2
+
+
+@pytest.mark.parametrize(
+    "stop, field, kept",
+    [
+        # Each stop string ends inside a token ("ar", "at"): the field ends where the stop begins.
+        ("enjoy Pa", "content", "Sunny, 20°C — "),
+        (["nothing", "the wea"], "reasoning_content", "They want "),
+    ],
+)
+def test_stop_strings_end_the_fields_where_they_begin(stop: Any, field: str, kept: str) -> None:
+    service, replica = harmony_service(ANALYSIS + FINAL)
+    (choice,) = chat(service, stop=stop)["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"][field] == kept
+    if field == "reasoning_content":
+        assert choice["message"]["content"] is None
+    # The stop's last token carried more: read without the stop strings, the field runs past them.
+    generated = replica.generated[0]
+    uncut = read_reply(HarmonyTokens.of(replica.tokenizer), generated, new_call_id)
+    assert (uncut.content if field == "content" else uncut.reasoning) != kept
+    chunks = streamed(service, messages=[{"role": "user", "content": "x"}], stop=stop)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get(field, "") for d in deltas) == kept
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stop_string_in_a_call_cuts_its_arguments_and_it_is_no_finished_call() -> None:
+    service, _ = harmony_service(ANALYSIS + CALL)
+    (choice,) = chat(service, tools=[WEATHER], stop='"Pa')["choices"]
+    assert choice["finish_reason"] == "stop"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": '}
