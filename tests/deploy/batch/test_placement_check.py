@@ -37,8 +37,25 @@ def test_a_fixed_cluster_too_small_is_refused_naming_need_and_supply(monkeypatch
     actor_pool.check_placeable([{"CPU": 1.0}], actors=0)  # nothing to place: fine
 
 
-def test_a_cluster_that_may_grow_warns_and_waits(monkeypatch: Any, caplog: Any) -> None:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_cluster_that_may_grow_warns_and_waits(monkeypatch: Any) -> None:
     _cluster(monkeypatch, cpus=2.0, can_grow=True)
-    with caplog.at_level(logging.WARNING):
+    # On the module's logger itself, not propagated: the root's handlers may carry Ray's filters, which
+    # would ask the (faked) running Ray for its context.
+    lines = _Lines()
+    monkeypatch.setattr(actor_pool.logger, "propagate", False)
+    actor_pool.logger.addHandler(lines)
+    try:
         actor_pool.check_placeable([{"CPU": 1.0}], actors=4)
-    assert "need 6 CPU" in caplog.text and "waits for the autoscaler" in caplog.text
+    finally:
+        actor_pool.logger.removeHandler(lines)
+    (line,) = lines.lines
+    assert "need 6 CPU" in line and "waits for the autoscaler" in line
