@@ -27,7 +27,7 @@ PROXY_CALLBACK = "tandem.deploy.routing.proxy_errors:proxy_middlewares"
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 # While no replica runs (one died and Serve is replacing it), the proxy holds requests until a new one
 # serves. A health probe must not hang that long: past this, /health answers 503 itself, within a second.
-HEALTH_DEADLINE_S = 0.8
+HEALTH_DEADLINE_S = 0.6
 # Until a replica has answered through this proxy (the app is deploying, the model loading), /health
 # answers at once that it is loading: a probe learns within a second of the port being bound.
 LOADING_DEADLINE_S = 0.5
