@@ -1,9 +1,9 @@
 """The Ray `tandem serve` runs on: a cluster it joins, or a local one it starts and owns.
 
 A local one is this server's alone: its HTTP port is held (answering `loading`) before Ray starts, so a
-taken port is refused at once; its other ports are free ones on its host (server_ports.py); its HAProxy
-files live in a `tandem-*` folder of its own. `LocalRay.stop()` takes all of it down: Ray, any process of
-it that outlives `ray.shutdown()` (an orphaned HAProxy, say), and the folder.
+taken port is refused at once; the other ports tandem picks for it are free ones, never Ray's fixed
+ones; its HAProxy files live in a `tandem-*` folder of its own. `LocalRay.stop()` takes all of it down:
+Ray, any process of it that outlives `ray.shutdown()` (an orphaned HAProxy, say), and the folder.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from tandem.engine.environment import ray_address
 # Serve's controller warns that a replica bound to one host "won't accept connections from HAProxy on
 # other nodes": true of a cluster, noise on the one node a local Ray has.
 _ONE_NODE_NOISE = "cross-node routing will fail"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class PortTaken(Exception):
@@ -118,9 +117,6 @@ def start_local(
         for key, value in environment.items():
             os.environ[key] = value
         metrics_port = metrics_port or free_port(host)
-        init: dict[str, Any] = {}
-        if host in _LOOPBACK:  # then Ray's own listeners (its metrics exporter too) stay on loopback
-            init["_node_ip_address"] = "127.0.0.1"
         # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
         # without its web assets waits a minute for it at start. Metrics export does not need it.
         ray.init(
@@ -128,7 +124,6 @@ def start_local(
             include_dashboard=False,
             _metrics_export_port=metrics_port,
             logging_level=logging.getLevelName(log_level),
-            **init,
         )
         drop_worker_log_lines(_ONE_NODE_NOISE)
     except BaseException:

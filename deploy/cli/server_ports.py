@@ -9,7 +9,7 @@ the command: the command imports torch and starts Ray meanwhile, and loading an 
 for seconds, which a probe would see as a hang. The child exits when its stdin closes, so it dies with
 the command however the command ends.
 
-The other ports a server opens are its own too: free ones on its host (ingress_mode.py and local_ray.py).
+The other ports tandem picks for a server are free ones, never fixed (ingress_mode.py and local_ray.py).
 """
 
 from __future__ import annotations
