@@ -72,7 +72,7 @@ def load_weights(
         dense = {name: mxfp4.weight_name(name) if mxfp4 else name for name in sources}
         ours = {name: model.checkpoint_name(dense[name]) for name in sources}
         loaders = model.loaders(set(ours.values()))
-        for i, (name, plain) in enumerate(sources.items()):
+        for name, plain in sources.items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -113,8 +113,8 @@ def load_weights(
                 source = DequantSource(plain, scale, fp8.block)
             module.load(source, shard_id, is_bias=is_bias)
             loaded.add(ours[name])
-            if progress is not None:
-                progress(i + 1, len(loaders))
+            if progress is not None:  # counted in loaded tensors: scales and skipped names are not
+                progress(len(loaded), len(loaders))
     missing = [n for n in loaders if n not in loaded]
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,7 +26,14 @@ from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.lora_catalog import LoraCatalog
 from tandem.replicas.rank_group import RankGroup
 from tandem.replicas.request_stream import RequestStream
-from tandem.replicas.watchdog import Problem, RankWatchdog, ReplicaUnhealthy, task_died
+from tandem.replicas.watchdog import (
+    Problem,
+    RankWatchdog,
+    ReplicaUnhealthy,
+    client_reason,
+    codes_of,
+    task_died,
+)
 from tandem.scheduler.messages import (
     AbortRequest,
     AddRequest,
@@ -38,6 +46,7 @@ from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams, to_spec
 from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
+logger = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 ABORT_SEND_TIMEOUT_S = 1.0
 # A structured-output constraint that takes longer to compile is refused (a 400); its compile runs on.
@@ -272,7 +281,7 @@ class LLMReplica:
         if self._draining:
             raise RuntimeError("the replica is shutting down and admits no new requests")
         if self._problems:
-            raise RuntimeError(f"the replica is unhealthy: {ReplicaUnhealthy(self._problems)}")
+            raise RuntimeError(f"the replica is unhealthy ({codes_of(self._problems)}); see the server log")
         assert self._channel is not None and self._decoder is not None
         rid = next(self._rids)
         detok = IncrementalDetokenizer(self._decoder, prompt_token_ids, sampling.stop_strings)
@@ -357,8 +366,13 @@ class LLMReplica:
             self._unhealthy([task_died(task.get_name(), exc)])
 
     def _unhealthy(self, problems: list[Problem]) -> None:
+        failing = [s for s in self._streams.values() if not s.finished]
+        if failing or not self._problems:  # the health loop finds the same problems every period
+            ids = ", ".join(s.request_id for s in failing) or "none"
+            logger.error("replica unhealthy: %s; requests ended: %s", ReplicaUnhealthy(problems), ids)
         self._problems = problems
-        self._fail_all(str(ReplicaUnhealthy(problems)))
+        for stream in failing:
+            stream.fail(client_reason(problems, stream.request_id))
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):

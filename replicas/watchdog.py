@@ -71,3 +71,17 @@ def task_died(name: str, exc: BaseException) -> Problem:
     return Problem(
         f"{name}_died", f"the replica's {name.replace('_', ' ')} died: {type(exc).__name__}: {exc}"
     )
+
+
+def codes_of(problems: list[Problem]) -> str:
+    return ", ".join(sorted({p.code for p in problems})) or "replica_unhealthy"
+
+
+def client_reason(problems: list[Problem], request_id: str) -> str:
+    """What a client whose request a failure ended is told: the reason codes and its request id. The
+    details (a rank's last traceback line names internal addresses, ports and source paths) go to the
+    server log beside that id, not to the client."""
+    return (
+        f"the model server's replica failed ({codes_of(problems)}); the server log has the details "
+        f"under request id {request_id}"
+    )

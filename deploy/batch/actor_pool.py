@@ -10,18 +10,42 @@ duplicates none.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from typing import Any
 
 from ray.data import ActorPoolStrategy
 
-from tandem.cluster.ray_cluster import cluster_resources_summary
+from tandem.cluster import placement
+from tandem.cluster.ray_cluster import cluster_can_grow, cluster_resources_summary
 from tandem.deploy.batch.config import ProcessorConfig
 from tandem.deploy.batch.host import EngineSpec
 from tandem.deploy.protocol.templates import load_chat_template
 
 logger = logging.getLogger(__name__)
-ACTOR_CPUS = 1.0  # the stage actor itself: tokenizing, detokenizing, Arrow in and out
-DATA_TASK_CPUS = 1.0  # Ray Data's own tasks beside the actors
+# The stage actor itself: tokenizing, detokenizing, Arrow in and out. It mostly waits on its rank actors,
+# so it reserves a sliver: a whole CPU each starved Ray Data's own tasks on a small cluster.
+ACTOR_CPUS = 0.25
+DATA_TASK_CPUS = 1.0  # Ray Data's own tasks beside the actors (reading, repartitioning, pre/postprocess)
+
+
+class PoolCannotBePlaced(RuntimeError):
+    """The actor pool needs more than the cluster has, and no autoscaler can add it."""
+
+
+def pool_needs(bundles: list[dict[str, float]], actors: int) -> dict[str, float]:
+    """CPUs and GPUs that `actors` engines with these rank bundles, and Ray Data's tasks, reserve."""
+    return {
+        "CPU": actors * (ACTOR_CPUS + sum(b.get("CPU", 0.0) for b in bundles)) + DATA_TASK_CPUS,
+        "GPU": actors * sum(b.get("GPU", 0.0) for b in bundles),
+    }
+
+
+def local_cluster_cpus(config: ProcessorConfig) -> int:
+    """Logical CPUs for a Ray this process starts itself: the cores, or what the largest pool reserves
+    if more (rank actors on GPUs mostly wait; on CPU they share the cores, as torch threads would)."""
+    bundles = placement.rank_bundles(config.tp_size, use_gpu=False, cpus_per_rank=config.cpus_per_rank)
+    return max(os.cpu_count() or 1, math.ceil(pool_needs(bundles, config.pool_size[1])["CPU"]))
 
 
 def engine_spec(config: ProcessorConfig) -> EngineSpec:
@@ -52,7 +76,7 @@ def resolve_device(device: str) -> str:
 def map_batches_kwargs(config: ProcessorConfig, spec: EngineSpec, **constructor: Any) -> dict[str, Any]:
     """`Dataset.map_batches` arguments for an engine stage class built with `spec` (and `constructor`)."""
     low, high = config.pool_size
-    _warn_if_unplaceable(spec.bundles(), low)
+    check_placeable(spec.bundles(), low)
     kwargs: dict[str, Any] = {
         "fn_constructor_kwargs": {"spec": spec, **constructor},
         "batch_size": config.batch_size,
@@ -69,24 +93,27 @@ def map_batches_kwargs(config: ProcessorConfig, spec: EngineSpec, **constructor:
     return kwargs
 
 
-def _warn_if_unplaceable(bundles: list[dict[str, float]], actors: int) -> None:
+def check_placeable(bundles: list[dict[str, float]], actors: int) -> None:
+    """Raise at once if the cluster as it is can never hold `actors` engines and Ray Data's tasks and
+    no autoscaler can add to it; on a cluster that may grow, warn and let the job wait for it."""
     import ray
 
     if not ray.is_initialized():
         return
     total = ray.cluster_resources()
-    for resource in ("CPU", "GPU"):
-        # Ray Data's own tasks (reading, repartitioning, pre- and postprocess) need a CPU beside them.
-        own = ACTOR_CPUS + DATA_TASK_CPUS / actors if resource == "CPU" else 0.0
-        need = actors * (own + sum(b.get(resource, 0.0) for b in bundles))
-        if need > total.get(resource, 0.0):
-            logger.warning(
-                "tandem batch: %d actor(s) with rank bundles %s, and Ray Data's tasks, need %g %s; the "
-                "cluster has %s, so the job waits until it grows (start Ray with more logical CPUs, "
-                "e.g. ray.init(num_cpus=...), if the rank actors mostly wait on GPUs)",
-                actors,
-                bundles,
-                need,
-                resource,
-                cluster_resources_summary(),
-            )
+    needs = pool_needs(bundles, actors)
+    short = {r: n for r, n in needs.items() if n > total.get(r, 0.0)}
+    if not short:
+        return
+    message = (
+        f"tandem batch: {actors} actor(s) with rank bundles {bundles}, and Ray Data's tasks, need "
+        + ", ".join(f"{n:g} {r}" for r, n in short.items())
+        + f"; the cluster has {cluster_resources_summary()}"
+    )
+    if cluster_can_grow():
+        logger.warning("%s, so the job waits for the autoscaler to add nodes", message)
+        return
+    raise PoolCannotBePlaced(
+        f"{message}, and no autoscaler to add any: lower concurrency, tp_size or cpus_per_rank, or start "
+        "Ray with more logical CPUs (ray.init(num_cpus=...)) when the rank actors mostly wait on GPUs"
+    )

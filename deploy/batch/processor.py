@@ -17,7 +17,7 @@ from ray.data import Dataset
 
 from tandem.cluster.ray_cluster import ensure_ray
 from tandem.deploy.batch.actor_group import release_orphan_groups
-from tandem.deploy.batch.actor_pool import engine_spec, map_batches_kwargs
+from tandem.deploy.batch.actor_pool import engine_spec, local_cluster_cpus, map_batches_kwargs
 from tandem.deploy.batch.config import ProcessorConfig
 from tandem.deploy.batch.row_stage import RowStage
 
@@ -41,7 +41,8 @@ class Processor:
         self.postprocess_map_kwargs = dict(postprocess_map_kwargs or {})
 
     def __call__(self, dataset: Dataset) -> Dataset:
-        ensure_ray()  # the device and the placement depend on the cluster
+        # The device and the placement depend on the cluster; one started here fits the pool.
+        ensure_ray(num_cpus=local_cluster_cpus(self.config))
         release_orphan_groups()
         spec = engine_spec(self.config)
         if self.preprocess is not None:
@@ -61,7 +62,11 @@ def build_processor(
     preprocess_map_kwargs: dict[str, Any] | None = None,
     postprocess_map_kwargs: dict[str, Any] | None = None,
 ) -> Processor:
-    """A processor running `config`'s model; `preprocess` and `postprocess` are row functions."""
+    """A processor running `config`'s model; `preprocess` and `postprocess` are row functions.
+
+    With no Ray running yet it starts one here, with the logical CPUs the pool reserves, before the
+    dataset is built (`ray.data.from_items` would start one of the machine's cores alone)."""
+    ensure_ray(num_cpus=local_cluster_cpus(config))
     return Processor(config, preprocess, postprocess, preprocess_map_kwargs, postprocess_map_kwargs)
 
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from tandem.deploy.batch.config import ProcessorConfig
 from tandem.deploy.cli.engine_flags import add_engine_flags, engine_overrides
-from tandem.engine.environment import ray_address
 from tandem.engine.options import EngineOptions, from_vllm
 from tandem.scheduler.options import RuntimeOptions
 
@@ -28,7 +26,12 @@ def add_batch_parser(commands: Any) -> None:
     )
     batch.add_argument("-i", "--input-file", required=True, help="Input JSONL: a local path or a URI.")
     batch.add_argument("-o", "--output-file", required=True, help="Output JSONL: a local path or a URI.")
-    batch.add_argument("--model", required=True, help="Hugging Face hub id or local model directory.")
+    batch.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face hub id or local model directory (default: the demo model on CPU, named "
+        "'tandem-tiny', as `tandem serve` serves it).",
+    )
     batch.add_argument(
         "--served-model-name", help="The name the bodies' `model` must give (default: --model)."
     )
@@ -62,15 +65,27 @@ def add_batch_parser(commands: Any) -> None:
     add_engine_flags(batch)  # vLLM's run-batch engine flags: --max-model-len, --max-num-seqs, ...
 
 
+def model_of(args: argparse.Namespace) -> tuple[str, str | None, Literal["auto", "cpu", "cuda"]]:
+    """(model, the name the bodies give, device): --model's, else the demo model's, on CPU."""
+    if args.model is not None:
+        return args.model, args.served_model_name, args.device
+    from tandem.deploy.config.args import TINY_MODEL_NAME
+    from tandem.engine.tiny import default_model_dir
+
+    device: Literal["auto", "cpu", "cuda"] = "cpu" if args.device == "auto" else args.device
+    return str(default_model_dir()), args.served_model_name or TINY_MODEL_NAME, device
+
+
 def run_batch(args: argparse.Namespace) -> int:
     given = {"tp_size": args.tp_size} if args.tp_size is not None else {}
+    model, served_model_name, device = model_of(args)
     try:
         # The flags win over --engine-kwargs, option by option (vLLM's names there read as tandem's).
         engine = {**from_vllm(args.engine_kwargs, RuntimeOptions, EngineOptions), **engine_overrides(args)}
         config = ProcessorConfig(
-            model_source=args.model,
+            model_source=model,
             concurrency=args.concurrency,
-            device=args.device,
+            device=device,
             batch_size=args.batch_size,
             max_concurrent_batches=args.max_concurrent_batches,
             chat_template=args.chat_template,
@@ -93,7 +108,7 @@ def run_batch(args: argparse.Namespace) -> int:
     _show_progress(sys.stderr.isatty())
     started = _connect_ray(args.address, config)
     try:
-        summary = run_batch_file(args.input_file, args.output_file, config, args.served_model_name)
+        summary = run_batch_file(args.input_file, args.output_file, config, served_model_name)
     finally:
         if started:
             import ray
@@ -120,20 +135,10 @@ def _show_progress(terminal: bool) -> None:
 
 def _connect_ray(address: str | None, config: ProcessorConfig) -> bool:
     """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one; True if started."""
-    import ray
+    from tandem.cluster.ray_cluster import ensure_ray
+    from tandem.deploy.batch.actor_pool import local_cluster_cpus
 
-    from tandem.deploy.batch.actor_pool import ACTOR_CPUS, DATA_TASK_CPUS
-    from tandem.deploy.cli.serve_command import _ray_start_address
-
-    existing = address or ray_address() or _ray_start_address()
-    if existing:
-        ray.init(address=existing)
-        return False
-    actors = config.pool_size[1]
-    needed = actors * (config.tp_size * config.cpus_per_rank + ACTOR_CPUS) + 2 * DATA_TASK_CPUS
-    # Logical CPUs, not cores: the rank actors mostly wait on the device.
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)), include_dashboard=False)
-    return True
+    return ensure_ray(address, num_cpus=local_cluster_cpus(config), include_dashboard=False)
 
 
 def _first_error(exc: ValidationError) -> str:

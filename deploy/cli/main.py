@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tandem.deploy.cli.batch_command import add_batch_parser
-from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_PORT
 from tandem.deploy.cli.engine_flags import add_engine_flags
 from tandem.deploy.cli.serve_flags import add_vllm_app_flags
 from tandem.deploy.config.version import tandem_version
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-port",
         type=_port,
-        default=DEFAULT_METRICS_PORT,
-        help="Ray's Prometheus metrics export port, when this command starts Ray "
-        f"(default {DEFAULT_METRICS_PORT}).",
+        default=None,
+        help="Ray's Prometheus metrics export port, when this command starts Ray (default: a free "
+        "port on --host, printed at start; /metrics on the API port serves tandem's series anyway).",
     )
     serve.add_argument(
         "--config",

@@ -1,7 +1,7 @@
 """`tandem serve`: resolve the arguments, join or start Ray, deploy, show progress, print the URL, block.
 
-On exit it leaves nothing behind: the Ray it started goes down, and any process of it that outlives
-`ray.shutdown()` (an orphaned HAProxy, say) is killed.
+On exit it leaves nothing behind: the Ray it started goes down with its processes and its state folder
+(local_ray.py); an app deployed on a joined cluster is removed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +19,9 @@ from typing import Any, TextIO
 import psutil
 import yaml
 
-from tandem.deploy.app import REPLICA_CPUS
 from tandem.deploy.cli.defaults import DEFAULT_APP_NAME, DEFAULT_HOST, DEFAULT_PORT, IMPORT_PATH
 from tandem.deploy.cli.engine_flags import engine_overrides
-from tandem.deploy.cli.processes import ProcessTree, port_holder, stop_processes_naming
+from tandem.deploy.cli.local_ray import LocalRay, PortTaken, join_existing, start_local
 from tandem.deploy.cli.serve_flags import app_overrides
 from tandem.deploy.config.args import AppArgs
 from tandem.deploy.guards.shutdown import (
@@ -32,12 +30,7 @@ from tandem.deploy.guards.shutdown import (
     drain_app,
     raise_terminate,
 )
-from tandem.deploy.routing.ingress_mode import (
-    haproxy_wrapper_environment,
-    ray_environment,
-    resolve_ingress,
-)
-from tandem.engine.environment import ray_address, serve_host
+from tandem.engine.environment import serve_host
 from tandem.engine.options import EngineOptions, from_vllm
 from tandem.scheduler.options import RuntimeOptions
 
@@ -101,20 +94,21 @@ def _read_config(path: Path, wanted: str | None) -> tuple[dict[str, Any], dict[s
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from tandem.deploy.app import build_app
-
     plan = plan_from_cli(args)
     log_level = str(getattr(args, "log_level", None) or "warning").upper()
     quiet_driver_logs(log_level)
-    processes = ProcessTree()
-    started_ray = False
-    # Short: Ray puts the node id (56 characters) under it, and HAProxy's socket paths stop at 97.
-    state_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp")
+    local: LocalRay | None = None
+    joined = False
     try:
-        started_ray = _connect_ray(args.address, plan, args.metrics_port, args.ingress, state_dir, log_level)
+        joined = join_existing(args.address, args.ingress, log_level)
+        if not joined:
+            local = start_local(
+                plan.host, plan.port, plan.app_args, args.metrics_port, args.ingress, log_level
+            )
+        from ray import serve  # the slow imports, after a taken port was refused
+
+        from tandem.deploy.app import build_app
+
         # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C, after draining (below). Set
         # after ray.init, which installs a SIGTERM handler of its own in the driver.
         signal.signal(signal.SIGTERM, raise_terminate)
@@ -137,17 +131,20 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         if not wait_until_running(plan.name, plan.app_args.resolved_served_model_name(), sys.stderr):
             return 1
+        if local is not None:
+            local.listener.close()  # Serve's own listener answers from here on
         _print_admission(plan)
         url = _url(plan)
         print(f"tandem: serving '{plan.app_args.resolved_served_model_name()}' at {url}/v1", flush=True)
         print(f"tandem: try  curl {url}/v1/models   (Ctrl-C to stop)", flush=True)
         print(f"tandem: Python handle: {_handle_hint(plan.name)}", flush=True)
         while True:
-            processes.snapshot()  # HAProxy reloads start new processes: keep the list current
+            if local is not None:
+                local.processes.snapshot()  # HAProxy reloads start new processes: keep the list current
             time.sleep(5.0)
     except KeyboardInterrupt as interrupt:
         print("tandem: stopping", file=sys.stderr, flush=True)
-        if started_ray and isinstance(interrupt, TerminateRequested):
+        if local is not None and isinstance(interrupt, TerminateRequested):
             grace = getattr(args, "drain_timeout", None)
             drain_app(plan.name, DEFAULT_DRAIN_GRACE_S if grace is None else grace)
         return 0
@@ -155,19 +152,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"tandem: {taken}", file=sys.stderr, flush=True)
         return 1
     finally:
-        _stop(plan.name, started_ray)
-        if started_ray:
-            processes.snapshot()
-            ray.shutdown()
-            # An HAProxy reload during the shutdown starts processes the snapshot never saw; ours are the
-            # ones whose command line names this server's own directory.
-            killed = processes.stop_leftovers() + stop_processes_naming(state_dir)
+        if joined:
+            _remove_app(plan.name)
+        if local is not None:
+            killed = local.stop()
             if killed:
                 print(f"tandem: stopped processes Ray left behind: {', '.join(killed)}", file=sys.stderr)
-
-
-class PortTaken(Exception):
-    """The HTTP port cannot be bound: said at once, before Ray starts."""
 
 
 def _print_admission(plan: ServePlan) -> None:
@@ -194,81 +184,6 @@ def quiet_driver_logs(level: str) -> None:
     """Ray's and Serve's loggers in this process at `level` (Ray's INFO lines would bury tandem's own)."""
     for name in ("ray", "ray.serve", "ray.data"):
         logging.getLogger(name).setLevel(level)
-
-
-def _connect_ray(
-    address: str | None,
-    plan: ServePlan,
-    metrics_port: int,
-    ingress: str,
-    state_dir: str,
-    log_level: str = "WARNING",
-) -> bool:
-    """Join the given / RAY_ADDRESS / `ray start` cluster, else start a local one. True if started.
-
-    A joined cluster keeps the ingress mode its nodes were started with (see ingress_mode.py)."""
-    import ray
-
-    existing = address or ray_address() or _ray_start_address()
-    if existing:
-        try:
-            ray.init(address=existing, logging_level=logging.getLevelName(log_level))
-            print(f"tandem: joined the Ray cluster at {existing}", file=sys.stderr, flush=True)
-            if ingress != "auto":
-                print(
-                    f"tandem: --ingress {ingress} applies to a Ray this command starts; this cluster "
-                    "keeps the mode its nodes were started with",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return False
-        except ConnectionError:
-            if address:
-                raise
-    holder = port_holder(plan.host, plan.port)
-    if holder is not None:
-        raise PortTaken(
-            f"cannot serve on {plan.host}:{plan.port}: {holder}. Stop that process or pick another --port."
-        )
-    args = plan.app_args
-    replicas = args.num_replicas or (args.autoscaling_config.min_replicas if args.autoscaling_config else 1)
-    needed = max(1, replicas) * (args.tp_size * args.cpus_per_rank + REPLICA_CPUS)
-    # Logical CPUs, not cores: rank actors mostly wait on the device, and a laptop must fit TP=2 on CPU.
-    num_cpus = max(os.cpu_count() or 1, int(needed + 0.999))
-    mode, why = resolve_ingress(ingress)
-    print(f"tandem: ingress {mode} ({why}; --ingress to choose)", file=sys.stderr, flush=True)
-    # Ray's processes inherit this environment: the Serve proxy reads the callback that installs tandem's
-    # shaped errors for failed replicas, the controller the ingress mode, HAProxy its private directory.
-    environment = ray_environment(mode, state_dir)
-    if mode == "haproxy":
-        environment.update(haproxy_wrapper_environment(state_dir, plan.host))
-    for key, value in environment.items():
-        os.environ[key] = value
-    # No dashboard: it accepts job submission, which a model server should not expose, and a Ray built
-    # without its web assets waits a minute for it at start. Metrics export does not need it.
-    ray.init(
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _metrics_export_port=metrics_port,
-        logging_level=logging.getLevelName(log_level),
-    )
-    print(
-        f"tandem: started a local Ray instance ({num_cpus} CPUs); metrics at "
-        f"http://127.0.0.1:{metrics_port}/metrics",
-        file=sys.stderr,
-        flush=True,
-    )
-    return True
-
-
-def _ray_start_address() -> str | None:
-    try:
-        from ray._private.services import find_bootstrap_address
-
-        found = find_bootstrap_address(None)
-        return str(found) if found else None
-    except Exception:  # a private API: if it moves, starting a local cluster is the safe fallback
-        return None
 
 
 def command_started_at() -> float:
@@ -362,12 +277,9 @@ def _handle_hint(name: str) -> str:
     )
 
 
-def _stop(name: str, started_ray: bool) -> None:
-    """Remove the app from a joined cluster. A Ray instance we started goes down with everything in it
-    (`ray.shutdown()` in the caller): Ctrl-C in a terminal also reaches Ray's own processes, and talking
-    to a GCS that is already gone would hang for a minute."""
-    if started_ray:
-        return
+def _remove_app(name: str) -> None:
+    """Remove the app from a cluster this command joined (a Ray it started goes down with everything
+    in it)."""
     from ray import serve
 
     try:

@@ -56,6 +56,16 @@ def invalid_request(message: str, *, param: str | None = None, code: str = "inva
     return OpenAIError(400, message, param=param, code=code)
 
 
+def not_json(content_type: str) -> OpenAIError:
+    """A body sent as another content type (`curl -d` sends form data) is not read as JSON: say so."""
+    return invalid_request(
+        f"the request body must be JSON, sent with 'content-type: application/json'; this one was sent "
+        f"as {content_type!r} (curl -d sends that: add -H 'content-type: application/json')",
+        param="content-type",
+        code="unsupported_content_type",
+    )
+
+
 MAX_NAMES_SHOWN = 20  # a 404 lists this many adapters at most, then says how many more
 
 

@@ -42,6 +42,12 @@ _HAPROXY_PATH_ENV = {
 # only matters for an app with prefix routing on, whose requests it otherwise routes blind.
 ROUTER_BODY_ENV = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# Where HAProxy sends an app's requests while it has no replica: a Serve proxy on the head node, on Ray's
+# fixed 8500 / 9500 by default, so two servers on one host shared the first one's proxy (and app).
+_FALLBACK_PORT_ENV = ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+# HAProxy binds the app's port with SO_REUSEPORT, as Serve's proxy does, so that `tandem serve` can answer
+# `loading` on it before HAProxy starts (cli/server_ports.py); a stale listener is refused before that.
+REUSE_PORT_ENV = "SERVE_SOCKET_REUSE_PORT_ENABLED"
 # The stats page's and the Prometheus exporter's ports. haproxy_filter.py drops both listeners; should a
 # Ray whose template it does not know keep them, they still take free ports, not Ray's fixed 8404 / 9101.
 _UNUSED_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -88,7 +94,8 @@ def ray_environment(mode: str, state_dir: str | None = None) -> dict[str, str]:
 def haproxy_wrapper_environment(state_dir: str, host: str) -> dict[str, str]:
     """Write `state_dir/haproxy`, which rewrites Ray's HAProxy configuration (haproxy_filter.py: no stats
     page or exporter, every listener on `host`) and then runs the real binary; return the environment
-    that makes Ray run it. Empty when there is no HAProxy binary to wrap."""
+    that makes Ray run it, and free ports of this server's own for HAProxy's extra listeners and the
+    fallback proxy. Empty when there is no HAProxy binary to wrap."""
     real = haproxy_binary()
     if real is None:
         return {}
@@ -96,8 +103,8 @@ def haproxy_wrapper_environment(state_dir: str, host: str) -> dict[str, str]:
     script = f'#!/bin/sh\nexec "{sys.executable}" -S "{haproxy_filter.__file__}" "{real}" "{host}" "$@"\n'
     wrapper.write_text(script)
     wrapper.chmod(0o755)
-    env = {HAPROXY_BINARY_ENV: str(wrapper)}
-    for key in _UNUSED_PORT_ENV:
+    env = {HAPROXY_BINARY_ENV: str(wrapper), REUSE_PORT_ENV: "1"}
+    for key in (*_UNUSED_PORT_ENV, *_FALLBACK_PORT_ENV):
         env[key] = str(free_port(host))
     return env
 

@@ -26,8 +26,8 @@ PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "tandem.deploy.routing.proxy_errors:proxy_middlewares"
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 # While no replica runs (one died and Serve is replacing it), the proxy holds requests until a new one
-# serves. A health probe must not hang that long: past this, /health answers 503 itself.
-HEALTH_DEADLINE_S = 5.0
+# serves. A health probe must not hang that long: past this, /health answers 503 itself, within a second.
+HEALTH_DEADLINE_S = 0.6
 # Until a replica has answered through this proxy (the app is deploying, the model loading), /health
 # answers at once that it is loading: a probe learns within a second of the port being bound.
 LOADING_DEADLINE_S = 0.5
@@ -42,6 +42,14 @@ def proxy_middlewares() -> list[Middleware]:
 
 def _failure(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
+def no_replica_error() -> OpenAIError:
+    message = (
+        f"unhealthy: no replica answered the health check within {HEALTH_DEADLINE_S:g}s "
+        "(one may be restarting)"
+    )
+    return OpenAIError(503, message, type="server_error", code="unhealthy", retry_after_s=1)
 
 
 def loading_error() -> OpenAIError:
@@ -115,13 +123,14 @@ class ShapedProxyErrors:
     async def _health_within_deadline(self, scope: Scope, receive: Receive, relay: Send, send: Send) -> bool:
         """Run a /health request; True if it answered, or was answered here with a 503 at the deadline.
 
-        While no replica has answered yet (the model is loading), a probe that misses its deadline is left
-        to run rather than cancelled: Serve's proxy logs a traceback for each request cancelled while it
-        waits for a replica, and a probe every second would fill the log. Its answer, once a replica is
-        up, is dropped, and while it is pending later probes are answered at once without another."""
+        A probe that misses its deadline (the model is loading, or a replica died and Serve is starting
+        another) is left to run rather than cancelled: Serve's proxy logs a traceback for each request
+        cancelled while it waits for a replica, and a probe every second would fill the log. Its answer,
+        once a replica is up, is dropped, and while it is pending later probes are answered at once
+        without another."""
         loading = not self.replica_answered
-        if loading and self._probe is not None and not self._probe.done():
-            await _send_json(send, loading_error())
+        if self._probe is not None and not self._probe.done():
+            await _send_json(send, loading_error() if loading else no_replica_error())
             return True
         answered = asyncio.Event()
         abandoned = False
@@ -147,16 +156,9 @@ class ShapedProxyErrors:
             if call.done() or answered.is_set():
                 await call
                 return answered.is_set()
-            if loading:
-                abandoned = True
-                self._probe, call = call, None
-                await _send_json(send, loading_error())
-                return True
-            call.cancel()  # the proxy takes it as a client that left
-            with contextlib.suppress(BaseException):
-                await call
-            message = f"no replica answered the health check within {HEALTH_DEADLINE_S:g}s"
-            await _send_json(send, OpenAIError(503, message, type="server_error", code="unhealthy"))
+            abandoned = True
+            self._probe, call = call, None
+            await _send_json(send, loading_error() if loading else no_replica_error())
             return True
         finally:
             if call is not None and not call.done():

@@ -26,7 +26,13 @@ from tandem.deploy.guards.auth import ApiKeyMiddleware, ApiKeys
 from tandem.deploy.guards.body_limit import BodyLimitMiddleware
 from tandem.deploy.guards.shutdown import DrainGate, GateState
 from tandem.deploy.observability.exposition import CONTENT_TYPE, node_tandem_metrics
-from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors, internal_error, unavailable
+from tandem.deploy.protocol.errors import (
+    OpenAIError,
+    from_validation_errors,
+    internal_error,
+    not_json,
+    unavailable,
+)
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from tandem.deploy.protocol.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deploy.serving.openai_service import ChunkBatches, OpenAIService
@@ -122,6 +128,9 @@ def build_http_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         service.record_outcome("4xx")  # refused before the service saw it
+        sent = request.headers.get("content-type", "")
+        if sent and "json" not in sent.split(";")[0]:  # FastAPI reads a body as JSON only when it says so
+            return error_response(not_json(sent))
         return error_response(from_validation_errors(exc.errors()))
 
     @app.exception_handler(OpenAIError)

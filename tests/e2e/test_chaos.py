@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -34,6 +35,8 @@ ERROR_WITHIN_S = 10.0  # the longest an in-flight request may take to fail when 
 RECOVERY_BOUND_S = 90.0  # Serve's health checks (3 x 2 s) + a new TP=2 replica, with a wide margin
 DRAINED_AFTER_S = 1.0  # in-flight requests must outlive the start of a shutdown by this much
 APP_NAME = "tandem-chaos"
+HEALTH_WITHIN_S = 1.0
+INTERNAL_DETAIL = re.compile(r"\d+\.\d+\.\d+\.\d+|\]:\d+|\.(?:cc|cpp|py)\b|/[a-z_]+/[a-z_]+")
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,14 @@ def assert_no_cuts(outcomes: list[Any]) -> None:
 
 async def watch_recovery(session: Any, killed: float, check_error: Callable[..., Any]) -> dict[str, float]:
     """Poll /health until it has been 503 and is 200 again, then until a completion succeeds."""
-    seen: dict[str, float] = {}
+    seen: dict[str, float] = {"health_call_s_max": 0.0}
     while "health_200_s" not in seen:
         elapsed = time.monotonic() - killed
         assert elapsed < RECOVERY_BOUND_S, f"no recovery within {RECOVERY_BOUND_S:g}s: {seen}"
+        asked = time.monotonic()
         async with session.get("/health") as health:
             status, body = health.status, await health.read()
+        seen["health_call_s_max"] = max(seen["health_call_s_max"], time.monotonic() - asked)
         if status == 200:
             if "health_503_s" in seen:
                 seen["health_200_s"] = elapsed
@@ -167,6 +172,13 @@ def chaos_round(
     assert all(o.explicit_error for o in in_flight), [o for o in in_flight if not o.explicit_error]
     error_after = max(o.ended_at - killed for o in in_flight)
     assert error_after < ERROR_WITHIN_S, f"an in-flight request took {error_after:.1f}s to fail"
+    # Through the restart, a probe learns the state within a second (a load balancer's probe timeout).
+    assert recovery["health_call_s_max"] < HEALTH_WITHIN_S, recovery
+    # The client is told what failed and a request id to find it by; internal addresses, ports and
+    # source paths stay in the server log.
+    for message in (o.error["message"] for o in in_flight if o.error is not None):
+        assert not INTERNAL_DETAIL.search(message), message
+    assert any("request id " in o.error["message"] for o in in_flight if o.error), in_flight[:2]
     after_recovery = [o for start, o in load if start > killed + recovery["first_success_s"]]
     assert after_recovery and all(o.complete for o in after_recovery), after_recovery[:3]
     return {

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import openai
 import psutil
 import pytest
 
-from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.cli.defaults import DEFAULT_PORT
 from tandem.deploy.cli.processes import port_holder
 from tandem.deploy.routing.ingress_mode import haproxy_binary
 
@@ -50,8 +51,6 @@ def tandem_serve(extra: list[str], tmp_path: Path) -> Iterator[tuple[str, Path]]
     # Something else may hold the defaults on this machine; only then pass ports.
     if "--port" not in extra and not _is_free(DEFAULT_PORT):
         command += ["--port", str(_free_port())]
-    if not _is_free(DEFAULT_METRICS_PORT):
-        command += ["--metrics-port", str(_free_port())]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a fresh local Ray
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
@@ -147,10 +146,17 @@ def test_a_taken_port_is_refused_at_once(tmp_path: Path) -> None:
         holder.listen()
         port = holder.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        session = Path(tempfile.gettempdir(), "ray", "session_latest")
+        session_before = session.resolve() if session.exists() else None
+        started = time.monotonic()
         done = subprocess.run(
             ["tandem", "serve", "--port", str(port)], capture_output=True, text=True, env=env, timeout=60
         )
+        took = time.monotonic() - started
     assert done.returncode == 1
+    # At once: the imports, and no Ray started (not even to remove an app that never was), as before.
+    assert took < 10.0, (took, done.stderr[-2000:])
+    assert (session.resolve() if session.exists() else None) == session_before  # no Ray session began
     assert f"cannot serve on 127.0.0.1:{port}" in done.stderr and f"pid {os.getpid()}" in done.stderr
     assert "started a local Ray" not in done.stderr  # said before Ray starts
 
@@ -233,3 +239,67 @@ def test_two_servers_side_by_side_answer_health_while_loading_and_the_readme_han
                 assert reply.choices[0].finish_reason in ("stop", "length")
             for port in (port_a, port_b):  # no stats page or exporter, nothing beyond the chosen host
                 assert _listeners_of_the_server_on(port) == {("127.0.0.1", port)}
+
+
+class ModelsProbe(threading.Thread):
+    """Polls /v1/models on a port until it lists `served`: the model names of every 200 answer, and the
+    other answers' (status, code)."""
+
+    def __init__(self, port: int, served: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        super().__init__(daemon=True)
+        self.url, self.served = f"http://127.0.0.1:{port}/v1/models", served
+        self.listed: list[list[str]] = []
+        self.refused: list[tuple[int, str | None]] = []
+        self.deadline = time.monotonic() + timeout_s
+
+    def run(self) -> None:
+        while time.monotonic() < self.deadline:
+            try:
+                response = httpx.get(self.url, timeout=5.0)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            if response.status_code == 200:
+                self.listed.append([m["id"] for m in response.json()["data"]])
+                if self.served in self.listed[-1]:
+                    return
+            else:
+                with contextlib.suppress(ValueError, AttributeError):
+                    self.refused.append((response.status_code, response.json()["error"]["code"]))
+            time.sleep(0.2)
+
+
+def _state_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("tandem-*") if p.is_dir()}
+
+
+def test_a_second_server_never_answers_with_the_first_servers_app(tmp_path: Path) -> None:
+    """Two servers on one host, each its own model name: while the second loads, its port answers only
+    `loading` (never the first's app, through a shared fallback proxy or metrics port); both then serve
+    their own model; once stopped, neither leaves an HAProxy or its state folder behind."""
+    haproxy_before, dirs_before = _haproxy_pids(), _state_dirs()
+    port_a, port_b = _free_port(), _free_port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with tandem_serve(["--port", str(port_a)], tmp_path / "a") as (url_a, stderr_a):
+        probe = ModelsProbe(port_b, "other")
+        probe.start()
+        with tandem_serve(["--port", str(port_b), "--served-model-name", "other"], tmp_path / "b") as (
+            url_b,
+            _,
+        ):
+            probe.join(timeout=60)
+            assert probe.listed and all(names == ["other"] for names in probe.listed), probe.listed
+            assert all(code == "loading" for _, code in probe.refused), probe.refused
+            for url, served in ((url_a, "tandem-tiny"), (url_b, "other")):
+                client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
+                reply = client.completions.create(model=served, prompt="The fox", max_tokens=4)
+                assert reply.model == served
+                with pytest.raises(openai.NotFoundError):  # each port serves its own model alone
+                    client.completions.create(
+                        model="other" if served == "tandem-tiny" else "tandem-tiny", prompt="x", max_tokens=1
+                    )
+    assert not (_haproxy_pids() - haproxy_before)
+    assert _state_dirs() <= dirs_before, _state_dirs() - dirs_before
+    # Serve's warning about HAProxy on other nodes means nothing to a one-node Ray started here.
+    assert "cross-node" not in stderr_a.read_text()

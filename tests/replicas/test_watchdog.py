@@ -70,3 +70,17 @@ def test_a_cancelled_loop_at_shutdown_is_not_a_failure() -> None:
         return replica._problems
 
     assert asyncio.run(scenario()) == []
+
+
+def test_a_client_gets_the_reason_code_and_its_request_id_not_the_internals() -> None:
+    from tandem.replicas.watchdog import client_reason
+
+    crash = (
+        "Traceback ...\nRuntimeError: [../third_party/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:33935\n"
+    )
+    problem = RankWatchdog(stuck_after_s=10.0).judge(0, Beat(0.1, crash, busy=True))
+    assert problem is not None and "127.0.0.1" in problem.detail  # the log keeps the details
+    told = client_reason([problem], "cmpl-42")
+    assert "rank_crashed" in told and "cmpl-42" in told
+    assert not any(detail in told for detail in ("127.0.0.1", "33935", "pair.cc", "gloo"))

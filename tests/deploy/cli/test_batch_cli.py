@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.deploy.cli.batch_command import model_of
 from tandem.deploy.cli.main import build_parser, main
 
 
@@ -40,8 +41,6 @@ def test_flags_as_vllm_run_batch_names_them() -> None:
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["batch", "-i", "a", "-o", "b", "--model", "m", *bad])
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["batch", "-i", "a", "-o", "b"])  # --model is required
 
 
 def test_a_missing_input_or_a_bad_option_fails_before_ray(
@@ -78,3 +77,10 @@ def test_vllm_run_batch_engine_flags_reach_the_processor_config(monkeypatch: pyt
     inside = ["--engine-kwargs", '{"tensor_parallel_size": 2}']
     assert main(["batch", "-i", "a", "-o", "b", "--model", "m", *inside]) == 2
     assert seen[-1].tp_size == 2  # type: ignore[attr-defined]
+
+
+def test_without_model_it_runs_the_demo_model_as_tandem_serve_does() -> None:
+    model, served, device = model_of(build_parser().parse_args(["batch", "-i", "a", "-o", "b"]))
+    assert (Path(model) / "config.json").is_file() and (served, device) == ("tandem-tiny", "cpu")
+    named = build_parser().parse_args(["batch", "-i", "a", "-o", "b", "--model", "m", "--device", "cuda"])
+    assert model_of(named) == ("m", None, "cuda")

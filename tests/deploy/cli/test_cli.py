@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT, DEFAULT_PORT
+from tandem.deploy.cli.defaults import DEFAULT_PORT
 from tandem.deploy.cli.main import build_parser, main, tandem_version
 from tandem.deploy.cli.serve_command import command_started_at, plan_from_cli, wait_until_running
 from tandem.deploy.config.args import TINY_MODEL_NAME
@@ -23,7 +23,7 @@ def _serve(*argv: str) -> argparse.Namespace:
 
 def test_no_arguments_serves_the_tiny_model_on_cpu_port_8000() -> None:
     args = _serve()
-    assert args.metrics_port == DEFAULT_METRICS_PORT
+    assert args.metrics_port is None  # a free port of the server's own, not a fixed one
     plan = plan_from_cli(args)
     assert plan.app_args.model is None and plan.app_args.resolved_served_model_name() == TINY_MODEL_NAME
     assert (plan.host, plan.port, plan.name, plan.route_prefix) == ("127.0.0.1", DEFAULT_PORT, "tandem", "/")

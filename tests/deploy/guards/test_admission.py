@@ -222,3 +222,41 @@ def test_loading_probes_are_left_running_not_cancelled() -> None:
         assert sent[0]["status"] == 200 and calls == ["called", "called"]
 
     asyncio.run(scenario())
+
+
+def test_health_answers_within_a_second_while_a_dead_replica_is_replaced() -> None:
+    """After a replica has answered and died, each probe answers 503 `unhealthy` within a second with
+    the default deadline, and the one probe waiting for the new replica is left running, not cancelled."""
+    calls: list[str] = []
+    up = asyncio.Event()
+    up.set()
+
+    async def replica(scope: Any, receive: Any, send: Any) -> None:
+        calls.append("called")
+        try:
+            await up.wait()
+        except asyncio.CancelledError:
+            calls.append("cancelled")
+            raise
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b'{"status": "ok"}', "more_body": False})
+
+    async def scenario() -> None:
+        middleware = ShapedProxyErrors(replica)
+        sent, _ = await _call(replica, "/health", middleware)
+        assert sent[0]["status"] == 200
+        up.clear()  # the replica died; Serve holds requests until its replacement serves
+        for _ in range(3):
+            started = time.monotonic()
+            sent, body = await _call(replica, "/health", middleware)
+            assert time.monotonic() - started < 1.0
+            error = json.loads(body)["error"]
+            assert sent[0]["status"] == 503 and error["code"] == "unhealthy", error
+        assert calls == ["called", "called"]  # one probe waits for the new replica; none cancelled
+        up.set()
+        await asyncio.sleep(0.01)
+        sent, _ = await _call(replica, "/health", middleware)
+        assert sent[0]["status"] == 200
+
+    asyncio.run(scenario())
