@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from tandem.scheduler.pages import PageAllocator
 from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import Request
+from tandem.scheduler.window_cache import MISSING, WindowRadixCache
 
 
 @dataclass(frozen=True)
@@ -97,14 +98,26 @@ class KVManager:
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.allocators = [PageAllocator(g.num_pages) for g in groups]
-        # Window layers would need their own eviction-aware tree; cache prefixes only for models
-        # whose layers all attend to the full context.
+        # A model with window layers caches through the window-aware tree (window_cache.py), which
+        # keeps window KV only where a match can end; one of full attention only, the plain tree.
         self.cache: RadixCache | None = None
-        if prefix_cache and len(groups) == 1 and groups[0].window is None:
+        self.window_cache: WindowRadixCache | None = None
+        if prefix_cache and any(g.window is not None for g in groups):
+            self.window_cache = WindowRadixCache(page_size, self.allocators, [g.window for g in groups])
+        elif prefix_cache and len(groups) == 1:
             self.cache = RadixCache(page_size, self.allocators[0])
         self.pending: deque[_Pending] = deque()
         self.outstanding = [0] * len(groups)  # reserved but not yet allocated, over all requests
         self.peak_used = [0] * len(groups)  # most pages held by live requests at once, per group
+
+    @property
+    def caching(self) -> bool:
+        return self.cache is not None or self.window_cache is not None
+
+    def _cached_pages(self, group: int) -> int:
+        if self.window_cache is not None:
+            return self.window_cache.cached_pages(group)
+        return self.cache.cached_pages if self.cache is not None and group == 0 else 0
 
     # ---- admission -------------------------------------------------------------------------
     def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
@@ -113,7 +126,10 @@ class KVManager:
         )
 
     def available(self, group: int) -> int:
-        evictable = self.cache.evictable_pages if self.cache is not None and group == 0 else 0
+        if self.window_cache is not None:
+            evictable = self.window_cache.evictable_pages(group)
+        else:
+            evictable = self.cache.evictable_pages if self.cache is not None and group == 0 else 0
         return self.allocators[group].num_free + evictable - self.outstanding[group]
 
     def never_fits(self, prompt_len: int, total_tokens: int) -> str | None:
@@ -125,12 +141,16 @@ class KVManager:
     def match_prefix(self, req: Request) -> int:
         """Reuse cached pages for the prompt's prefix, keeping at least one token to compute; return
         how many prompt tokens were looked up."""
-        if self.cache is None:
+        if not self.caching:
             return 0
         if req.sampling.prompt_logprobs is not None:
             return 0  # every prompt position needs its logits, and a cached prefix has none (as vLLM)
         usable = (req.prompt_len - 1) // self.page_size * self.page_size
-        match = self.cache.match_prefix(cache_key(req, req.prompt_ids[:usable]), count=False)
+        key = cache_key(req, req.prompt_ids[:usable])
+        if self.window_cache is not None:
+            return self._match_windowed(req, self.window_cache, key, usable)
+        assert self.cache is not None
+        match = self.cache.match_prefix(key, count=False)
         if match.num_tokens == 0:
             return usable
         self.cache.lock(match.handle)
@@ -140,28 +160,59 @@ class KVManager:
         req.pages[0] = list(match.pages)
         return usable
 
+    def _match_windowed(self, req: Request, cache: WindowRadixCache, key: list[int], usable: int) -> int:
+        match = cache.match_prefix(key, count=False)
+        if match.num_tokens == 0:
+            return usable
+        cache.lock(match.handle)
+        req.prefix_handle = match.handle
+        req.cached_prefix = req.kv_len = match.num_tokens
+        for g, info in enumerate(self.groups):
+            # Below the first query's window the tree may hold no window KV: those table entries are
+            # never read (kv_start passes them), so any valid page id stands in for them.
+            req.pages[g] = [0 if p == MISSING else p for p in match.pages[g]]
+            if info.window is not None:
+                req.evicted[g] = max(0, match.num_tokens - info.window + 1) // self.page_size
+        return usable
+
     def admit(self, req: Request, total_tokens: int) -> bool:
         """Reserve the request's worst case in every group, or return False to keep it queued."""
         budgets = [self.budget(g.group_id, total_tokens, req.prompt_len) for g in self.groups]
         req.pages = [[] for _ in self.groups]
         req.evicted = [0] * len(self.groups)
         queried = self.match_prefix(req)
-        own = [b - len(p) for b, p in zip(budgets, req.pages)]
+        # A hit's pages are the tree's. A window group's budget bounds what the request holds at once of
+        # its own, cached pages aside; a full group's counts every page.
+        full_pages = _ceil_div(total_tokens, self.page_size)
+        own = [
+            b - len(p) if g.window is None else min(b, full_pages - len(p))
+            for g, b, p in zip(self.groups, budgets, req.pages)
+        ]
         if any(own[g] > self.available(g) for g in range(len(self.groups))):
             self._drop_prefix(req)
             return False
-        if self.cache is not None:  # counted once per request, not on each try while it waits for pages
+        # Counted once per request, not on each try while it waits for pages.
+        if self.cache is not None:
             self.cache.record_query(queried, req.cached_prefix)
+        if self.window_cache is not None:
+            self.window_cache.record_query(queried, req.cached_prefix)
         req.reserved = own
         for g, n in enumerate(own):
             self.outstanding[g] += n
         return True
 
     def _drop_prefix(self, req: Request) -> None:
-        if self.cache is not None and req.prefix_handle is not None:
-            self.cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
-        req.prefix_handle, req.cached_prefix, req.kv_len = None, 0, 0
+        self._unlock_prefix(req)
+        req.cached_prefix, req.kv_len = 0, 0
         req.pages = []
+
+    def _unlock_prefix(self, req: Request) -> None:
+        if req.prefix_handle is not None:
+            if self.window_cache is not None:
+                self.window_cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
+            elif self.cache is not None:
+                self.cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
+        req.prefix_handle = None
 
     # ---- growth and window eviction --------------------------------------------------------
     def grow(self, req: Request, new_len: int) -> list[tuple[int, int, list[int]]]:
@@ -185,7 +236,9 @@ class KVManager:
 
     def _alloc(self, group: int, n: int) -> list[int]:
         allocator = self.allocators[group]
-        if allocator.num_free < n and self.cache is not None and group == 0:
+        if allocator.num_free < n and self.window_cache is not None:
+            self.window_cache.evict(group, n - allocator.num_free)
+        elif allocator.num_free < n and self.cache is not None and group == 0:
             self.cache.evict(n - allocator.num_free)
         return allocator.alloc(n)
 
@@ -197,9 +250,11 @@ class KVManager:
             keep_from = max(0, first_query_pos - info.window + 1)
             upto = min(keep_from // self.page_size, len(req.pages[g]))
             if upto > req.evicted[g]:
-                pages = req.pages[g][req.evicted[g] : upto]
+                # Pages of a prefix hit are the tree's (it frees them under its own locks): leave them.
+                pages = req.pages[g][max(req.evicted[g], req.cached_prefix // self.page_size) : upto]
                 req.evicted[g] = upto
-                self.pending.append(_Pending(newest_batch, g, pages, req))
+                if pages:
+                    self.pending.append(_Pending(newest_batch, g, pages, req))
 
     def kv_start(self, req: Request, group: int) -> int:
         return req.evicted[group] * self.page_size
@@ -210,14 +265,15 @@ class KVManager:
         for g in range(len(self.groups)):
             self.outstanding[g] -= req.reserved[g]
             req.reserved[g] = 0
-        live = [pages[req.evicted[g] :] for g, pages in enumerate(req.pages)]
-        if self.cache is not None:
-            live[0] = self._insert_into_cache(req, token_ids, live[0])
+        if self.window_cache is not None:
+            live = self._insert_windowed(req, self.window_cache, token_ids)
+        else:
+            live = [pages[req.evicted[g] :] for g, pages in enumerate(req.pages)]
+            if self.cache is not None:
+                live[0] = self._insert_into_cache(req, token_ids, live[0])
         for g, pages in enumerate(live):
             self.allocators[g].free(pages)
-        if self.cache is not None and req.prefix_handle is not None:
-            self.cache.unlock(req.prefix_handle)  # type: ignore[arg-type]
-        req.prefix_handle = None
+        self._unlock_prefix(req)
         req.pages = [[] for _ in self.groups]
         req.released = True
 
@@ -232,6 +288,20 @@ class KVManager:
         mine = req.cached_prefix // self.page_size  # pages that came from the tree itself
         already_pages = already // self.page_size
         return pages[mine:already_pages] + pages[whole:]
+
+    def _insert_windowed(
+        self, req: Request, cache: WindowRadixCache, token_ids: list[int]
+    ) -> list[list[int]]:
+        """Hand every whole computed page to the window tree (which frees its duplicates itself); return
+        the partial tail pages the caller must still free."""
+        whole = min(req.kv_len, len(token_ids)) // self.page_size
+        pages = [
+            [MISSING] * min(req.evicted[g], whole) + p[req.evicted[g] : whole]
+            for g, p in enumerate(req.pages)
+        ]
+        if whole:
+            cache.insert(cache_key(req, token_ids[: whole * self.page_size]), pages)
+        return [p[max(req.evicted[g], whole) :] for g, p in enumerate(req.pages)]
 
     def flush(self, completed_batch: int) -> None:
         """Release pending pages whose readers (batches up to `completed_batch`) have all finished."""
@@ -248,12 +318,13 @@ class KVManager:
     # ---- stats -------------------------------------------------------------------------------
     def _used(self, group: int) -> int:
         """Pages held by live requests: neither free, cached nor waiting for a deferred release."""
-        cached = self.cache.cached_pages if self.cache is not None and group == 0 else 0
+        cached = self._cached_pages(group)
         pending = sum(len(item.pages) for item in self.pending if item.group == group)
         return self.groups[group].num_pages - self.allocators[group].num_free - pending - cached
 
     def stats(self) -> dict[str, int | list[int]]:
-        cached = self.cache.cached_pages if self.cache is not None else 0
+        cached = sum(self._cached_pages(g) for g in range(len(self.groups)))
+        cache = self.window_cache or self.cache
         totals = [g.num_pages for g in self.groups]
         pending = [sum(len(i.pages) for i in self.pending if i.group == g) for g in range(len(totals))]
         used = [self._used(g) for g in range(len(totals))]
@@ -266,6 +337,6 @@ class KVManager:
             "kv_pages_used_per_group": used,
             "kv_pages_peak_per_group": list(self.peak_used),
             "kv_group_windows": [g.window or 0 for g in self.groups],
-            "prefix_cache_hit_tokens": self.cache.hit_tokens if self.cache is not None else 0,
-            "prefix_cache_query_tokens": self.cache.query_tokens if self.cache is not None else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache is not None else 0,
+            "prefix_cache_query_tokens": cache.query_tokens if cache is not None else 0,
         }

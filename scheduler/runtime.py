@@ -93,7 +93,7 @@ class RankRuntime:
             max_running=options.max_running or default_max_running(on_gpu, options, kv),
             chunk_size=chunk,
             max_seq_len=self.max_seq_len,
-            prefix_cache=kv.cache is not None,
+            prefix_cache=kv.caching,
             overlap=options.overlap,
             seed=options.seed,
             guard_inflight_pages=options.guard_inflight_pages,
