@@ -1,6 +1,6 @@
-"""Prefix caching for models with window layers (Gemma 2, Gemma 3, Mistral), windows of 8 tokens: the same
-greedy tokens with the cache on, off, and as HF; real hits, reported per request; pages accounted and none
-reused while an in-flight batch can read it."""
+"""Prefix caching for models with window layers (Gemma 2, Gemma 3, Mistral, gpt-oss with its sinks),
+windows of 8 tokens: the same greedy tokens with the cache on, off, and as HF; real hits, reported per
+request; pages accounted and none reused while an in-flight batch can read it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PAGE = 4
 TURN_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gemma3", "mistral"])
+@pytest.fixture(scope="module", params=["gemma2", "gemma3", "mistral", "gpt_oss"])
 def model_dir(request, tiny_model_dir) -> Path:  # type: ignore[no-untyped-def]
     return tiny_model_dir(request.param, sliding_window=WINDOW)
 
