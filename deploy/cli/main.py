@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -99,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="'dummy': random weights from config.json alone, no checkpoint read, for benchmarks "
         "(engine.load_format; default auto).",
+    )
+    serve.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="Speculative decoding as vLLM's JSON object, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (engine.speculative_config).',
     )
     lora = serve.add_argument_group("LoRA adapters (vLLM's flags; docs/serve-config.md#lora-adapters)")
     lora.add_argument(

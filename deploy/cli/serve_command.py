@@ -75,6 +75,7 @@ def plan_from_cli(args: argparse.Namespace) -> ServePlan:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "speculative_config",
         )
     }
     engine = {k: v for k, v in engine.items() if v is not None}
