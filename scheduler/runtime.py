@@ -97,6 +97,7 @@ class RankRuntime:
             overlap=options.overlap,
             seed=options.seed,
             guard_inflight_pages=options.guard_inflight_pages,
+            speculative=options.speculative_config,
         )
         grammars = GrammarCache(lambda: _tokenizer_info(model_dir, mc.eos_token_ids))
         lora = None
