@@ -19,6 +19,7 @@ from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
 from tandem.scheduler.slot_params import FLOAT_PARAMS, INT_PARAMS, SlotParams
+from tandem.scheduler.spec.draft_model import build_draft_steps, stage_draft_steps
 from tandem.scheduler.spec.staging import SpecPrepared, stage_spec
 from tandem.scheduler.staging import PinnedSlots, Staged, Staging
 from tandem.scheduler.table import RequestTable
@@ -68,9 +69,11 @@ class BatchBuilder:
         eos_token_ids: tuple[int, ...] = (),
         *,
         lora: bool = False,
+        device_drafts: bool = False,
     ) -> None:
         self.table = table
         self.lora = lora  # whether rows may carry a LoRA slot (the engine has LoRA on)
+        self.device_drafts = device_drafts  # a draft model writes the drafts: stage its steps
         self.kv = kv
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
@@ -107,10 +110,12 @@ class BatchBuilder:
             for g in range(len(self.kv.groups))
         ]
         device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
-        sample_slots, sample_lens, spec = slots, device_lens, None
+        sample_slots, sample_lens, spec, steps = slots, device_lens, None, None
         if any(r.drafts for r in rows):  # one sample row per scored position (spec/staging.py)
             spec = stage_spec(stage, rows, slots, lengths, device_lens, max_len)
             sample_slots, sample_lens = spec.sample_slots, spec.sample_lens
+            if self.device_drafts:
+                steps = stage_draft_steps(stage, rows, self.table, self.kv.page_size)
         sampling = self._stage_sampling(stage, sample_slots, sample_lens)
         history = self._stage_history(stage, sample_slots, sample_lens)
         lora = (
@@ -149,7 +154,9 @@ class BatchBuilder:
             if prompt is None
             else PromptLogprobBatch(dev(prompt.index), dev(prompt.targets), prompt.num_top),
             prompt_rows=() if prompt is None else prompt.rows,
-            spec=None if spec is None else spec.build(sent),
+            spec=None
+            if spec is None
+            else spec.build(sent, None if steps is None else build_draft_steps(sent, steps, self.device)),
         )
 
     def _stage_group(

@@ -55,6 +55,7 @@ class Scheduler:
         emit: Callable[[list[TokenOutput]], None],
         grammars: GrammarCache | None = None,
         lora: AdapterSlots | None = None,
+        spec: SpecDecoding | None = None,
     ) -> None:
         self.config = config
         self.timer = StepTimer()  # wall time per loop phase (see step_timer.py)
@@ -65,15 +66,17 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids, lora=lora is not None)
+        drafter = spec is not None and spec.draft is not None
+        self.builder = BatchBuilder(
+            self.table, kv, self.device, eos_token_ids, lora=lora is not None, device_drafts=drafter
+        )
         self.grammars = grammars
         self.lora = lora
         self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self._planned: PreparedBatch | None = None  # the overlap loop's next batch, when planned early
         self.has_window = any(g.window is not None for g in kv.groups)
         # Window groups reserve pages for one step of prefill length; drafted rows are off there for now.
-        spec = config.speculative
-        self.spec = SpecDecoding(spec, config.max_seq_len) if spec and not self.has_window else None
+        self.spec = spec if not self.has_window else None
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
         self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
@@ -250,9 +253,10 @@ class Scheduler:
         when `defer_masks` (the overlap loop: their previous tokens are not accepted yet); `_sample`
         finishes it once they are."""
         pool = self.table.token_pool
+        if prepared.spec is not None:  # the drafts are inputs, and the penalties' history, of their rows
+            assert self.spec is not None
+            prepared = replace(prepared, spec=self.spec.prepare(prepared.spec, pool))
         spec = prepared.spec
-        if spec is not None:  # the drafts are inputs, and the penalties' history, of their rows
-            pool.index_copy_(0, spec.draft_index, spec.draft_ids)
         # index_select and index_copy_ rather than tensor indexing: the same kernels' work for a fraction
         # of the host time, which a small model's step is made of.
         input_ids = pool.index_select(0, prepared.input_mapping)
@@ -275,6 +279,8 @@ class Scheduler:
             prompt_logprobs=prepared.prompt_logprobs,
             spec=None if spec is None else spec.engine,
         )
+        if self.spec is not None:
+            self.spec.follow(batch)
         rows = prepared.rows
         grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
         if not grammar_rows:

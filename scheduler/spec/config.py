@@ -15,7 +15,7 @@ from tandem.engine.options import check_fields, option
 SpecMethod = Literal["ngram", "draft_model", "eagle3", "mtp"]
 # Methods this build runs. The others are named by the config so a serve config written for them
 # fails at start-up naming `method`, instead of being accepted and ignored.
-RUNNABLE_METHODS: tuple[str, ...] = ("ngram",)
+RUNNABLE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 NEEDS_MODEL: tuple[str, ...] = ("draft_model", "eagle3")
 
 

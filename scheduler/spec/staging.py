@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tandem.engine.batch import SpecBatch
+from tandem.engine.batch import ForwardBatch, SpecBatch
 from tandem.scheduler.request import Request
 from tandem.scheduler.staging import Staged, Staging
 
@@ -37,16 +37,27 @@ class DraftedRow(Protocol):
 
 
 @dataclass(frozen=True)
+class DraftSteps:
+    """`draft_model`: K one-token batches over a batch's drafted rows (spec/draft_model.py); step j reads
+    the token at position L-1+j from the pool (`input_ids` holds pool indices) and writes its draft at L+j."""
+
+    batches: tuple[ForwardBatch, ...]
+    outputs: tuple[torch.Tensor, ...]  # int64 [R] each: token-pool index the step's argmax goes to
+
+
+@dataclass(frozen=True)
 class SpecPrepared:
     """A prepared batch's drafts: the engine's SpecBatch and what the scheduler writes to the pool."""
 
     engine: SpecBatch
     draft_index: torch.Tensor  # int64 [D], device: token-pool index of each draft
-    draft_ids: torch.Tensor  # int64 [D], device
+    draft_ids: torch.Tensor  # int64 [D], device (-1 placeholders when a draft model writes them)
+    draft_rows: torch.Tensor  # int64 [D], device: the sample row that checks each draft
     out_base: torch.Tensor  # int64 [B], device: token-pool index of each row's first output
     out_room: torch.Tensor  # int64 [B], device: outputs that fit before the row's end (0: keeps none)
     sample_of_row: tuple[int, ...]  # each row's first sample row
     drafts: tuple[int, ...]  # drafts per row
+    draft_steps: DraftSteps | None = None  # set when a draft model writes the drafts on the device
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class StagedSpec:
     grid: int
     draft_index: int
     draft_values: int
+    draft_rows: int
     out_base: int
     out_room: int
     sample_slots: IntArray  # per sample row: the request's slot
@@ -63,16 +75,18 @@ class StagedSpec:
     sample_of_row: tuple[int, ...]
     drafts: tuple[int, ...]
 
-    def build(self, sent: Staged) -> SpecPrepared:
+    def build(self, sent: Staged, draft_steps: DraftSteps | None = None) -> SpecPrepared:
         dev = sent.device
         return SpecPrepared(
             SpecBatch(dev(self.logit_index), dev(self.draft_ids), dev(self.grid)),
             dev(self.draft_index),
             dev(self.draft_values),
+            dev(self.draft_rows),
             dev(self.out_base),
             dev(self.out_room),
             self.sample_of_row,
             self.drafts,
+            draft_steps,
         )
 
 
@@ -111,6 +125,7 @@ def stage_spec(
         grid=stage.add(grid, np.int64),
         draft_index=stage.add(draft_index, np.int64),
         draft_values=stage.add(flat_drafts, np.int64),
+        draft_rows=stage.add(np.flatnonzero(j < counts[row_of_sample]), np.int64),
         out_base=stage.add(base, np.int64),
         out_room=stage.add(room, np.int64),
         sample_slots=slots[row_of_sample],
