@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -20,6 +21,8 @@ from .rank_runs import run_until_idle
 from .test_tp_gloo import free_port
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+# The demo model drafting for itself: every draft accepted, at TP 2 the draft engine is sharded too.
+DRAFT = {"method": "draft_model", "model": str(default_model_dir()), "num_speculative_tokens": 3}
 
 
 def _run(
@@ -39,12 +42,13 @@ def _run(
     return {r.rid: done.get(r.rid, []) for r in requests}, stats
 
 
-def _worker(rank: int, model_dir: str, port: int, requests: list[AddRequest], queue) -> None:  # type: ignore[no-untyped-def]
+def _worker(rank: int, model_dir: str, port: int, requests: list[AddRequest], spec, queue) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
-    queue.put((rank, _run(model_dir, rank, 2, port, requests, NGRAM)))
+    queue.put((rank, _run(model_dir, rank, 2, port, requests, spec)))
 
 
-def test_tp2_with_drafts_matches_hf_and_tp1() -> None:
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_tp2_with_drafts_matches_hf_and_tp1(spec: dict[str, Any]) -> None:
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
     passage = tok((model_dir.parent / "corpus.txt").read_text()[:300])["input_ids"]
@@ -56,7 +60,9 @@ def test_tp2_with_drafts_matches_hf_and_tp1() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, str(model_dir), port, requests, queue)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, str(model_dir), port, requests, spec, queue)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=300) for _ in procs)
@@ -66,6 +72,8 @@ def test_tp2_with_drafts_matches_hf_and_tp1() -> None:
     (tokens0, stats0), (tokens1, stats1) = results[0], results[1]
     assert tokens0 == tokens1 and stats0 == stats1, "TP ranks disagree"
     assert stats0["spec_decode_num_accepted_tokens"] > stats0["spec_decode_num_drafts"] > 0
+    if spec is DRAFT:
+        assert stats0["spec_decode_num_accepted_tokens"] == stats0["spec_decode_num_draft_tokens"]
     plain, _ = _run(str(model_dir), 0, 1, 0, requests, None)
     assert tokens0 == plain
     hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
