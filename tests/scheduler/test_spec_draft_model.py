@@ -80,3 +80,31 @@ def test_a_draft_of_another_vocabulary_is_refused(target, tiny_model_dir) -> Non
     wide = tiny_model_dir("qwen3", vocab_size=4096)
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         LLM(str(model_dir), device="cpu", speculative_config=_spec(wide))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grammar_rows_share_batches_with_drafted_rows(target, overlap: bool) -> None:  # type: ignore[no-untyped-def]
+    """Structured-output rows never draft, but run in the same batches as drafted rows: their masks
+    land on their own sample rows, their outputs are the ones without drafts, and the rest stay exact."""
+    from tandem.scheduler.sampling_params import StructuredOutputs
+
+    model_dir, prompts, ref = target
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constrained = [
+        SamplingParams(
+            max_tokens=24, temperature=1.0, seed=s, structured_outputs=StructuredOutputs(json=schema)
+        )
+        for s in range(2)
+    ]
+    params = [SamplingParams(max_tokens=20, temperature=0.0)] * len(prompts) + constrained
+    every = prompts + prompts[:2]
+    spec = LLM(str(model_dir), device="cpu", overlap=overlap, speculative_config=_spec(model_dir))
+    plain = LLM(str(model_dir), device="cpu", overlap=overlap)
+    got = spec.generate(every, params, use_tqdm=False)
+    want = plain.generate(every, params, use_tqdm=False)
+    assert [o.token_ids for o in got[: len(prompts)]] == ref
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.finish_reason == "stop" for o in got[len(prompts) :])
+    assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    spec.shutdown()
+    plain.shutdown()
