@@ -46,18 +46,20 @@ def stage_draft_steps(
     pages = table.page_tables[0][slots, :width]
     staged: list[tuple[int, ...]] = []
     for j in range(steps):
-        positions = lens - 1 + j
-        live = j < counts  # a row with fewer drafts still steps (its output goes to the spare slot)
-        loc = pages[np.arange(len(slots)), positions // page_size].astype(np.int64) * page_size
+        # Step j takes the rows with more than j drafts: a row's pages end at its last draft, and a
+        # step past it would write KV through stale page-table entries.
+        live = np.flatnonzero(counts > j)
+        at, positions, rows_pages = slots[live], lens[live] - 1 + j, pages[live]
+        loc = rows_pages[np.arange(len(live)), positions // page_size].astype(np.int64) * page_size
         staged.append(
             (
-                stage.add(slots * max_len + positions, np.int64),
-                stage.add(np.where(live, slots * max_len + positions + 1, table.spare), np.int64),
+                stage.add(at * max_len + positions, np.int64),
+                stage.add(at * max_len + positions + 1, np.int64),
                 stage.add(positions, np.int64),
                 stage.add(positions + 1, np.int32),
-                stage.add(np.ones(len(slots)), np.int32),
-                stage.add(pages, np.int32),
-                stage.add(np.zeros(len(slots)), np.int32),
+                stage.add(np.ones(len(live)), np.int32),
+                stage.add(rows_pages, np.int32),
+                stage.add(np.zeros(len(live)), np.int32),
                 stage.add(loc + positions % page_size, np.int64),
             )
         )
