@@ -48,3 +48,21 @@ def test_counters_take_increments_and_exist_only_with_drafts(monkeypatch: pytest
     per_pos = by_name["tandem_spec_decode_num_accepted_tokens_per_pos_total"].incs
     assert sum(v for v, t in per_pos if t["position"] == "0") == 4
     assert sum(v for v, t in per_pos if t["position"] == "2") == 1
+
+
+def test_stats_over_replicas_sum_the_accepts_and_recompute_the_mean() -> None:
+    from tandem.deploy.observability.stats import aggregate_stats
+
+    one = {
+        "spec_decode_num_drafts": 2,
+        "spec_decode_num_draft_tokens": 6,
+        "spec_decode_num_accepted_tokens": 4,
+        "spec_decode_num_accepted_tokens_per_pos": [2, 1, 1],
+        "spec_decode_mean_acceptance_length": 3.0,
+    }
+    two = {**one, "spec_decode_num_drafts": 6, "spec_decode_num_accepted_tokens": 0}
+    two["spec_decode_num_accepted_tokens_per_pos"] = [0, 0, 0]
+    two["spec_decode_mean_acceptance_length"] = 1.0
+    total = aggregate_stats([one, two])
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [2, 1, 1]
+    assert total["spec_decode_mean_acceptance_length"] == 1.0 + 4 / 8
