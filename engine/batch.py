@@ -114,6 +114,18 @@ class PromptLogprobBatch:
 
 
 @dataclass(frozen=True)
+class SpecBatch:
+    """Draft tokens to verify (speculative decoding). Row b with k drafts scores its last k + 1 tokens:
+    position j checks draft j (the input token at j + 1) and the last one gives the bonus token. The
+    sampling batch has one row per scored position ("sample rows", S = B + total drafts), so penalties,
+    biases and seeds apply at each position as they would one step at a time."""
+
+    logit_index: torch.Tensor  # int64 [S], device: the batch token whose logits each sample row scores
+    draft_ids: torch.Tensor  # int64 [S], device: the draft each sample row checks; -1 for none (bonus)
+    grid: torch.Tensor  # int64 [B, W], device: row b's sample rows in order, -1 past them; W = max k + 1
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step: B rows, T new tokens in total, rows laid out back to back."""
 
@@ -129,6 +141,7 @@ class ForwardBatch:
     # Each row's LoRA adapter slot, -1 for the base model (int32 [B], host); None when no row has one.
     lora_slots_cpu: torch.Tensor | None = None
     prompt_logprobs: PromptLogprobBatch | None = None
+    spec: SpecBatch | None = None  # drafts to verify; None: one sample per row, as without speculation
 
     @property
     def batch_size(self) -> int:
@@ -141,15 +154,21 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """The sampled tokens on the device, and their host copies once `copy_done` has fired."""
+    """The sampled tokens on the device, and their host copies once `copy_done` has fired.
 
-    next_tokens: torch.Tensor  # int64 [B], device: feeds the token pool without a host round trip
-    next_tokens_host: torch.Tensor  # int64 [B], host (pinned on CUDA)
-    logprobs_host: torch.Tensor | None  # float32 [B]: logprob of the chosen token
-    top_ids_host: torch.Tensor | None  # int64 [B, n]
-    top_logprobs_host: torch.Tensor | None  # float32 [B, n]
+    With a SpecBatch every per-row tensor gains a position axis W: row b emitted its first
+    `accepted[b]` tokens (accepted drafts, then the target's own token), the rest is to be ignored.
+    """
+
+    next_tokens: torch.Tensor  # int64 [B] ([B, W] with drafts), device: feeds the token pool on the device
+    next_tokens_host: torch.Tensor  # int64 [B] ([B, W]), host (pinned on CUDA)
+    logprobs_host: torch.Tensor | None  # float32 [B] ([B, W]): logprob of the chosen token
+    top_ids_host: torch.Tensor | None  # int64 [B, n] ([B, W, n])
+    top_logprobs_host: torch.Tensor | None  # float32 [B, n] ([B, W, n])
     copy_done: Event
     prompt: PromptLogprobs | None = None  # host copies, for a batch with a PromptLogprobBatch
+    accepted: torch.Tensor | None = None  # int64 [B], device: tokens each row emitted; None: no drafts
+    accepted_host: torch.Tensor | None = None  # int64 [B], host
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from tandem.engine.batch import (
     PromptLogprobBatch,
     PromptLogprobs,
     SamplingBatch,
+    SpecBatch,
     StepLogits,
 )
 from tandem.engine.config import ModelConfig
@@ -34,6 +35,7 @@ from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
 from tandem.engine.sampler import Sampler, SampleResult
+from tandem.engine.spec.verify import verify
 from tandem.engine.streams import Event, StreamSet
 from tandem.engine.weights import LoadReport, load_weights
 
@@ -194,16 +196,26 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         step = self.step_logits(batch)
-        return self.sample(step.logits, batch.sampling, step.prompt)
+        return self.sample(step.logits, batch.sampling, step.prompt, batch.spec)
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, sampling: SamplingBatch, prompt: PromptLogprobs | None = None
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingBatch,
+        prompt: PromptLogprobs | None = None,
+        spec: SpecBatch | None = None,
     ) -> ForwardOutput:
         """Sample from `logits` (from `step_logits`) and start the copy of the tokens (and of `prompt`'s
         log-probs) to the host. Apart from the forward, so the scheduler can launch a batch's forward
-        before its token bitmasks are known."""
-        return self._copy_to_host(self.sampler(logits, sampling), prompt)
+        before its token bitmasks are known. With `spec`, the drafts are verified on the device
+        (spec/verify.py) and the accept counts travel with the tokens."""
+        result = self.sampler(logits, sampling)
+        if spec is None:
+            return self._copy_to_host(result, prompt)
+        checked = verify(result, spec)
+        grid = SampleResult(checked.tokens, checked.logprobs, checked.top_ids, checked.top_logprobs)
+        return self._copy_to_host(grid, prompt, checked.accepted)
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -237,7 +249,9 @@ class Engine:
         prompt = None
         if batch.prompt_logprobs is not None:
             prompt = self._prompt_logprobs(hidden, batch.prompt_logprobs)
-        if not batch.is_decode:  # decode rows are their own last token
+        if batch.spec is not None:  # every scored position of a row with drafts
+            hidden = hidden[batch.spec.logit_index]
+        elif not batch.is_decode:  # decode rows are their own last token
             hidden = hidden[torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1]
         return StepLogits(self.model.compute_logits(hidden), prompt)
 
@@ -260,16 +274,21 @@ class Engine:
             torch.cat(top_values) if top_values else None,
         )
 
-    def _copy_to_host(self, result: SampleResult, prompt: PromptLogprobs | None = None) -> ForwardOutput:
+    def _copy_to_host(
+        self,
+        result: SampleResult,
+        prompt: PromptLogprobs | None = None,
+        accepted: torch.Tensor | None = None,
+    ) -> ForwardOutput:
         """Start the D2H copy on the copy stream; the caller waits on `copy_done` one step later."""
         done = self.streams.new_event()
-        tensors = [result.next_tokens, result.logprobs, result.top_ids, result.top_logprobs]
+        tensors = [result.next_tokens, result.logprobs, result.top_ids, result.top_logprobs, accepted]
         if prompt is not None:
             tensors += [prompt.logprobs, prompt.top_ids, prompt.top_logprobs]
         if not self.streams.is_cuda:
             hosts = [t.clone() if t is not None else None for t in tensors]
             done.record()
-            return _output(result.next_tokens, hosts, done)
+            return _output(result.next_tokens, hosts, done, accepted)
         producer = self.streams.current()
         copy = self.streams.copy if self.config.copy_stream else producer
         assert isinstance(copy, torch.cuda.Stream) and isinstance(producer, torch.cuda.Stream)
@@ -286,14 +305,21 @@ class Engine:
                 t.record_stream(copy)
                 hosts.append(host)
             done.record(copy)
-        return _output(result.next_tokens, hosts, done)
+        return _output(result.next_tokens, hosts, done, accepted)
 
 
-def _output(next_tokens: torch.Tensor, hosts: list[torch.Tensor | None], done: Event) -> ForwardOutput:
+def _output(
+    next_tokens: torch.Tensor,
+    hosts: list[torch.Tensor | None],
+    done: Event,
+    accepted: torch.Tensor | None,
+) -> ForwardOutput:
     """The ForwardOutput of `_copy_to_host`'s host copies, in the order it lists them."""
     assert hosts[0] is not None
     prompt = None
-    if len(hosts) > 4:
-        assert hosts[4] is not None
-        prompt = PromptLogprobs(hosts[4], hosts[5], hosts[6])
-    return ForwardOutput(next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done, prompt)
+    if len(hosts) > 5:
+        assert hosts[5] is not None
+        prompt = PromptLogprobs(hosts[5], hosts[6], hosts[7])
+    return ForwardOutput(
+        next_tokens, hosts[0], hosts[1], hosts[2], hosts[3], done, prompt, accepted, hosts[4]
+    )

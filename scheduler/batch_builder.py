@@ -19,6 +19,8 @@ from tandem.engine.sampler import GREEDY_EPS
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.request import Request
 from tandem.scheduler.slot_params import FLOAT_PARAMS, INT_PARAMS, SlotParams
+from tandem.scheduler.spec.draft_model import build_draft_steps, stage_draft_steps
+from tandem.scheduler.spec.staging import SpecPrepared, stage_spec
 from tandem.scheduler.staging import PinnedSlots, Staged, Staging
 from tandem.scheduler.table import RequestTable
 
@@ -31,6 +33,7 @@ class Row:
     start: int  # first position computed this step
     length: int  # tokens computed this step
     samples: bool  # whether this step's token is an output (False mid-prefill)
+    drafts: tuple[int, ...] = ()  # speculative tokens, the row's last `len(drafts)` inputs, to verify
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class PreparedBatch:
     # Prompt positions whose log-probs rows asked for, and (row, positions) in the order they are listed.
     prompt_logprobs: PromptLogprobBatch | None = None
     prompt_rows: tuple[tuple[int, int], ...] = ()
+    spec: SpecPrepared | None = None  # the rows' drafts (spec/staging.py); None: no row has any
 
 
 class BatchBuilder:
@@ -65,9 +69,11 @@ class BatchBuilder:
         eos_token_ids: tuple[int, ...] = (),
         *,
         lora: bool = False,
+        device_drafts: bool = False,
     ) -> None:
         self.table = table
         self.lora = lora  # whether rows may carry a LoRA slot (the engine has LoRA on)
+        self.device_drafts = device_drafts  # a draft model writes the drafts: stage its steps
         self.kv = kv
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
@@ -104,8 +110,14 @@ class BatchBuilder:
             for g in range(len(self.kv.groups))
         ]
         device_lens = np.fromiter((r.req.device_len for r in rows), dtype=np.int64, count=len(rows))
-        sampling = self._stage_sampling(stage, rows, slots, device_lens)
-        history = self._stage_history(stage, slots, device_lens)
+        sample_slots, sample_lens, spec, steps = slots, device_lens, None, None
+        if any(r.drafts for r in rows):  # one sample row per scored position (spec/staging.py)
+            spec = stage_spec(stage, rows, slots, lengths, device_lens, max_len)
+            sample_slots, sample_lens = spec.sample_slots, spec.sample_lens
+            if self.device_drafts:
+                steps = stage_draft_steps(stage, rows, self.table, self.kv.page_size)
+        sampling = self._stage_sampling(stage, sample_slots, sample_lens)
+        history = self._stage_history(stage, sample_slots, sample_lens)
         lora = (
             np.fromiter((r.req.lora_slot for r in rows), dtype=np.int32, count=len(rows))
             if self.lora
@@ -142,6 +154,9 @@ class BatchBuilder:
             if prompt is None
             else PromptLogprobBatch(dev(prompt.index), dev(prompt.targets), prompt.num_top),
             prompt_rows=() if prompt is None else prompt.rows,
+            spec=None
+            if spec is None
+            else spec.build(sent, None if steps is None else build_draft_steps(sent, steps, self.device)),
         )
 
     def _stage_group(
@@ -167,27 +182,26 @@ class BatchBuilder:
             )
         return stage.add(table, np.int32), stage.add(kv_start, np.int32), stage.add(loc, np.int64)
 
-    def _stage_sampling(
-        self, stage: Staging, rows: list[Row], slots: IntArray, device_lens: IntArray
-    ) -> _StagedSampling:
+    def _stage_sampling(self, stage: Staging, slots: IntArray, device_lens: IntArray) -> _StagedSampling:
         """The rows' sampling parameters, staged as two tables (float32 and int64), one row per parameter:
         rows padded to 16 bytes, so each parameter's device view is aligned whatever the batch size
         (Triton builds a kernel variant per pointer alignment)."""
         p = self.params
-        width = -(-len(rows) // 4) * 4
+        n = len(slots)  # sample rows: one per batch row, or per scored position with drafts
+        width = -(-n // 4) * 4
         floats = np.empty((len(FLOAT_PARAMS), width), dtype=np.float32)
-        floats[:, : len(rows)] = p.floats[:, slots]
+        floats[:, :n] = p.floats[:, slots]
         ints = np.empty((len(INT_PARAMS) + 1, width), dtype=np.int64)
-        ints[: len(INT_PARAMS), : len(rows)] = p.ints[:, slots]
-        prompt_lens = ints[INT_PARAMS.index("prompt_len"), : len(rows)]
+        ints[: len(INT_PARAMS), :n] = p.ints[:, slots]
+        prompt_lens = ints[INT_PARAMS.index("prompt_len"), :n]
         # Outputs scheduled so far: the index of this row's sample.
-        steps = np.subtract(device_lens, prompt_lens, out=ints[len(INT_PARAMS), : len(rows)])
-        temperature, top_p, min_p = floats[0, : len(rows)], floats[1, : len(rows)], floats[2, : len(rows)]
-        top_k, logprobs = ints[0, : len(rows)], p.logprobs[slots]
+        steps = np.subtract(device_lens, prompt_lens, out=ints[len(INT_PARAMS), :n])
+        temperature, top_p, min_p = floats[0, :n], floats[1, :n], floats[2, :n]
+        top_k, logprobs = ints[0, :n], p.logprobs[slots]
         return _StagedSampling(
             floats=stage.add(floats, np.float32),
             ints=stage.add(ints, np.int64),
-            rows=len(rows),
+            rows=n,
             bias=self._stage_bias(stage, slots, steps),
             flags={
                 "all_greedy": bool((temperature == 0.0).all()),
@@ -196,7 +210,7 @@ class BatchBuilder:
                 "any_min_p": bool((min_p > 0.0).any()),
                 "any_explicit_seed": bool(p.explicit_seed[slots].any()),
             },
-            num_logprobs=int(logprobs.max()) if len(rows) else -1,
+            num_logprobs=int(logprobs.max()) if n else -1,
         )
 
     def _stage_bias(self, stage: Staging, slots: IntArray, steps: IntArray) -> dict[str, int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.scheduler.spec.config import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -15,3 +17,4 @@ class SchedulerConfig:
     seed: int = 0  # derives per-request seeds for requests that bring none
     # Debug: check at every allocation that no page in use by an in-flight batch is handed out.
     guard_inflight_pages: bool = False
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off

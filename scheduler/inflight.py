@@ -9,7 +9,14 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.batch import ForwardBatch, ForwardOutput, PromptLogprobs, SamplingBatch, StepLogits
+from tandem.engine.batch import (
+    ForwardBatch,
+    ForwardOutput,
+    PromptLogprobs,
+    SamplingBatch,
+    SpecBatch,
+    StepLogits,
+)
 from tandem.scheduler.batch_builder import PreparedBatch
 
 
@@ -21,7 +28,11 @@ class EngineLike(Protocol):
     def step_logits(self, batch: ForwardBatch) -> StepLogits: ...
 
     def sample(
-        self, logits: torch.Tensor, sampling: SamplingBatch, prompt: PromptLogprobs | None = None
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingBatch,
+        prompt: PromptLogprobs | None = None,
+        spec: SpecBatch | None = None,
     ) -> ForwardOutput: ...
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.options import EngineOptions, check_fields, from_vllm, option
+from tandem.scheduler.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,20 @@ class RuntimeOptions:
         ge=1,
         vllm="max_cpu_loras",
     )
+    # `option` returns a dataclasses.field (RUF009 cannot see it for a non-builtin annotation).
+    speculative_config: SpeculativeConfig | None = option(  # noqa: RUF009
+        None,
+        "Speculative decoding, as vLLM's speculative_config: method, num_speculative_tokens, model, "
+        "prompt_lookup_min, prompt_lookup_max (docs/serve-config.md#speculative-decoding); unset: off.",
+    )
     guard_inflight_pages: bool = option(
         False, "Check that no page in use by a running step is handed out again (debugging).", user=False
     )
     engine: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
+        # The user's dict (LLM keyword, serve config) becomes the dataclass; a bad one names its field.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         check_fields(self)
 
     @property

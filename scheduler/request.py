@@ -40,6 +40,7 @@ class Request:
     grammar: GrammarState | None = None  # its structured-output matcher, if it has a constraint
     lora: LoRARequest | None = None  # its adapter; None: the base model
     lora_slot: int = -1  # the GPU slot its adapter is in while it runs
+    draft_backoff: int = 0  # speculative decoding: plain steps left before its next draft lookup
     # With sampling.prompt_logprobs: the prompt tokens' log-probs so far (position 1 on), chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

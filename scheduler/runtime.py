@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
+from tandem.engine.hub import resolve_model_dir
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.inflight import InFlight
@@ -23,6 +25,7 @@ from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.options import RuntimeOptions
 from tandem.scheduler.scheduler import MessageSource, Scheduler
+from tandem.scheduler.spec.decoding import SpecDecoding
 from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 __all__ = ["RankRuntime", "RuntimeLimits", "RuntimeOptions"]
@@ -103,11 +106,55 @@ class RankRuntime:
         if self.engine.lora is not None and config.lora is not None:
             cached = options.max_cpu_loras or 2 * config.lora.max_loras
             lora = AdapterSlots(self.engine.lora, config.lora.max_loras, cached)
+        spec = None
+        if options.speculative_config is not None:
+            spec = self._speculation(options, tp, sched_config.max_seq_len)
         self.scheduler = Scheduler(
-            sched_config, self.engine, kv, self.streams, mc.eos_token_ids, emit, grammars=grammars, lora=lora
+            sched_config,
+            self.engine,
+            kv,
+            self.streams,
+            mc.eos_token_ids,
+            emit,
+            grammars=grammars,
+            lora=lora,
+            spec=spec,
         )
         self.overlap = options.overlap
         self._last: InFlight | None = None
+
+    def _speculation(self, options: RuntimeOptions, tp: TPGroup, max_seq_len: int) -> SpecDecoding:
+        """The rank's speculative decoding; for `draft_model`, its draft engine: same device, dtype and TP
+        group, and a KV pool of the target's page count and size, so one page table serves both."""
+        spec = options.speculative_config
+        assert spec is not None
+        vocab = self.engine.model_config.vocab_size
+        if spec.method != "draft_model":
+            return SpecDecoding(spec, max_seq_len, vocab_size=vocab)
+        assert spec.model is not None
+        draft_dir = resolve_model_dir(spec.model, weights=options.engine.load_format != "dummy")
+        target = self.engine
+        full = target.groups[0]
+        draft_options = dataclasses.replace(
+            options.engine,
+            num_pages=full.num_pages,
+            page_size=target.config.page_size,
+            cuda_graph=False,
+            piecewise_cuda_graph=False,
+            enable_lora=False,
+            quantization=None,
+        )
+        draft = Engine(resolve_engine_config(draft_dir, draft_options), tp, self.streams)
+        problems = []
+        if len(draft.groups) != 1 or draft.groups[0].window is not None or len(target.groups) != 1:
+            problems.append("draft and target must both be full-attention models")
+        if draft.model_config.vocab_size > vocab:
+            problems.append(
+                f"its vocabulary ({draft.model_config.vocab_size}) exceeds the target's ({vocab})"
+            )
+        if problems:
+            raise ValueError(f"speculative_config.model {spec.model!r}: {'; '.join(problems)}")
+        return SpecDecoding(spec, max_seq_len, draft=draft, vocab_size=draft.model_config.vocab_size)
 
     def step(self, receive: MessageSource) -> None:
         """One loop iteration; the caller keeps calling while `busy`."""

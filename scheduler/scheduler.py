@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.batch import ForwardBatch
+from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
@@ -30,6 +30,8 @@ from tandem.scheduler.messages import (
 )
 from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
+from tandem.scheduler.spec.decoding import SpecDecoding
+from tandem.scheduler.spec.staging import output_index
 from tandem.scheduler.step_timer import StepTimer
 from tandem.scheduler.structured.grammar import BitmaskFiller, GrammarCache, GrammarState
 from tandem.scheduler.table import RequestTable
@@ -53,6 +55,7 @@ class Scheduler:
         emit: Callable[[list[TokenOutput]], None],
         grammars: GrammarCache | None = None,
         lora: AdapterSlots | None = None,
+        spec: SpecDecoding | None = None,
     ) -> None:
         self.config = config
         self.timer = StepTimer()  # wall time per loop phase (see step_timer.py)
@@ -63,12 +66,17 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        self.builder = BatchBuilder(self.table, kv, self.device, eos_token_ids, lora=lora is not None)
+        drafter = spec is not None and spec.draft is not None
+        self.builder = BatchBuilder(
+            self.table, kv, self.device, eos_token_ids, lora=lora is not None, device_drafts=drafter
+        )
         self.grammars = grammars
         self.lora = lora
         self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self._planned: PreparedBatch | None = None  # the overlap loop's next batch, when planned early
         self.has_window = any(g.window is not None for g in kv.groups)
+        # Window groups reserve pages for one step of prefill length; drafted rows are off there for now.
+        self.spec = spec if not self.has_window else None
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
         self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
@@ -130,18 +138,25 @@ class Scheduler:
         rows: list[Row] = []
         budget = self.config.chunk_size
         for req in self.running.values():
+            # A row with drafts in flight leaves kv_len ahead of device_len: skipped until verified.
             if req.finish_reason is not None or req.kv_len >= req.device_len:
                 continue
+            drafts: tuple[int, ...] = ()
             if req.in_prefill:
                 if budget <= 0:
                     continue
                 length = min(req.prompt_len - req.kv_len, budget)
                 budget -= length
             elif req.wants_more(self.config.max_seq_len):
-                length = 1
+                if self.spec is not None:
+                    found = self.spec.drafts(req)
+                    if found is None:
+                        continue
+                    drafts = found
+                length = 1 + len(drafts)
             else:
                 continue
-            rows.append(self._row(req, length, newest_launched))
+            rows.append(self._row(req, length, newest_launched, drafts))
         if self.waiting and budget > 0 and self.table.num_free > 0:
             self._admit(rows, budget, newest_launched)
         if not rows:
@@ -208,7 +223,7 @@ class Scheduler:
             return False
         return True
 
-    def _row(self, req: Request, length: int, newest_launched: int) -> Row:
+    def _row(self, req: Request, length: int, newest_launched: int, drafts: tuple[int, ...] = ()) -> Row:
         start = req.kv_len
         if self.has_window:
             self.kv.evict_window(req, start, newest_launched)
@@ -216,8 +231,8 @@ class Scheduler:
             if self.config.guard_inflight_pages:
                 self._check_not_inflight(g, new)
             self.table.set_pages(g, req.slot, first, new)
-        samples = start + length == req.device_len
-        return Row(req, start, length, samples)
+        samples = start + length - len(drafts) == req.device_len
+        return Row(req, start, length, samples, drafts)
 
     def _pages_read(self, rows: list[Row]) -> set[tuple[int, int]]:
         return {
@@ -238,6 +253,10 @@ class Scheduler:
         when `defer_masks` (the overlap loop: their previous tokens are not accepted yet); `_sample`
         finishes it once they are."""
         pool = self.table.token_pool
+        if prepared.spec is not None:  # the drafts are inputs, and the penalties' history, of their rows
+            assert self.spec is not None
+            prepared = replace(prepared, spec=self.spec.prepare(prepared.spec, pool))
+        spec = prepared.spec
         # index_select and index_copy_ rather than tensor indexing: the same kernels' work for a fraction
         # of the host time, which a small model's step is made of.
         input_ids = pool.index_select(0, prepared.input_mapping)
@@ -258,12 +277,15 @@ class Scheduler:
             is_decode=prepared.is_decode,
             lora_slots_cpu=prepared.lora_slots_cpu,
             prompt_logprobs=prepared.prompt_logprobs,
+            spec=None if spec is None else spec.engine,
         )
+        if self.spec is not None:
+            self.spec.follow(batch)
         rows = prepared.rows
         grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
         if not grammar_rows:
             output = self.engine.forward(batch)
-            pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
+            self._store(prepared, output)
             return InFlight(prepared, output)
         flight = InFlight(prepared, None, batch.sampling, self.engine.step_logits(batch), grammar_rows)
         if not defer_masks:
@@ -290,13 +312,30 @@ class Scheduler:
         vocab = max(g.vocab_size for g in grammars if g is not None)  # one tokenizer: all alike
         # The masks go up on the copy stream: queued on the engine stream, the copy would wait for the
         # forward still running there and then hold up the sample; on its own stream it overlaps them.
+        mask_rows = flight.grammar_rows
+        if flight.prepared.spec is not None:  # a batch with drafts samples per scored position
+            mask_rows = [flight.prepared.spec.sample_of_row[i] for i in mask_rows]
         with self.streams.use(self.streams.copy):
-            bitmask, index = self._bitmasks.upload(flight.bitmask.result(), flight.grammar_rows, self.device)
+            bitmask, index = self._bitmasks.upload(flight.bitmask.result(), mask_rows, self.device)
             self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
-        flight.output = self.engine.sample(flight.logits.logits, sampling, flight.logits.prompt)
-        self.table.token_pool.index_copy_(0, flight.prepared.output_mapping, flight.output.next_tokens)
+        spec = flight.prepared.spec
+        flight.output = self.engine.sample(
+            flight.logits.logits, sampling, flight.logits.prompt, None if spec is None else spec.engine
+        )
+        self._store(flight.prepared, flight.output)
         flight.sampling = flight.logits = flight.bitmask = None
+
+    def _store(self, prepared: PreparedBatch, output: ForwardOutput) -> None:
+        """Write the batch's tokens into the token pool, on the device: with drafts, each row's emitted
+        tokens only (the accept counts never leave the device here)."""
+        pool = self.table.token_pool
+        if prepared.spec is None:
+            pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
+            return
+        assert output.accepted is not None
+        index = output_index(prepared.spec, output.accepted, self.table.spare)
+        pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
 
     def _process(self, done: InFlight, pending: InFlight | None = None) -> None:
         """Process a finished batch. `pending`, a launched batch whose constrained rows wait for their
@@ -313,6 +352,8 @@ class Scheduler:
         self.inflight_pages.pop(batch_id, None)
         self.kv.flush(batch_id)
         self.results.process(rows, done.output, tokens, done.prepared.prompt_rows)
+        if self.spec is not None and done.prepared.spec is not None:
+            self.spec.verified(rows, done.prepared.spec, done.output)
         for row in rows:
             if row.req.finish_reason is not None:
                 self._release_if_idle(row.req)
@@ -384,4 +425,6 @@ class Scheduler:
         stats["step_phases"] = self.timer.summary()
         if self.lora is not None:
             stats.update(self.lora.stats())
+        if self.spec is not None:
+            stats.update(self.spec.stats())
         return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -85,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="On SIGTERM, when this command started Ray: seconds running requests may take to finish "
         "before they end with an error (default 30); new requests get 503 meanwhile.",
+    )
+    serve.add_argument(
+        "--speculative-config",
+        dest="engine__speculative_config",  # engine_flags.engine_overrides reads it with the generated flags
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="Speculative decoding as vLLM's JSON object, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (engine.speculative_config).',
     )
     lora = serve.add_argument_group("LoRA adapters (vLLM's flags; docs/serve-config.md#lora-adapters)")
     lora.add_argument(

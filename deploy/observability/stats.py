@@ -27,6 +27,12 @@ def aggregate_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 total[key] = max(current, value) if "peak" in key else current + value
     total["num_replicas"] = len(per_replica)
+    if total.get("spec_decode_num_drafts"):
+        # Speculative decoding: accepts per draft position summed, and the mean recomputed from the sums.
+        per_pos = [s.get("spec_decode_num_accepted_tokens_per_pos") or [] for s in per_replica]
+        total["spec_decode_num_accepted_tokens_per_pos"] = [sum(c) for c in zip(*per_pos, strict=False)]
+        drafts, accepted = total["spec_decode_num_drafts"], total["spec_decode_num_accepted_tokens"]
+        total["spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts
     if any("prefix_cache_query_tokens" in stats for stats in per_replica):
         # Where the prompts went: each replica's prefix-cache lookups (its prompt tokens) and hits.
         keys = ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")

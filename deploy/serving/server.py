@@ -37,6 +37,7 @@ from tandem.deploy.guards.shutdown import GateState
 from tandem.deploy.observability.lora_metrics import LoraMetrics
 from tandem.deploy.observability.metrics import ServingMetrics
 from tandem.deploy.observability.replica_metrics import ReplicaMetrics
+from tandem.deploy.observability.spec_metrics import SpecMetrics
 from tandem.deploy.protocol.errors import OpenAIError, from_validation_errors
 from tandem.deploy.protocol.harmony.chat import HarmonyChat
 from tandem.deploy.protocol.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
@@ -132,6 +133,7 @@ class LLMServer:
         )
         self._adapters: AdapterRegistry | None = None
         self._lora_metrics: LoraMetrics | None = None
+        self._spec_metrics = SpecMetrics(served_model_name)  # records once the ranks report drafts
         if getattr(self._replica, "lora_enabled", False):
             self._lora_metrics = LoraMetrics(served_model_name)
             self._adapters = await self._adapter_registry(
@@ -298,6 +300,7 @@ class LLMServer:
                 self._metrics.engine_stats(stats)
                 if self._lora_metrics is not None:
                     self._lora_metrics.sample(stats, held=len(self._replica.loras()))
+                self._spec_metrics.sample(stats)
                 self._replica_metrics.sample(self._admission.running, self._admission.waiting, stats)
             except asyncio.CancelledError:
                 raise
