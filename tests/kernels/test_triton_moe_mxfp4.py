@@ -1,0 +1,98 @@
+"""The fused MoE kernels' MXFP4 option (W4A16: packed e2m1 weights and e8m0 scales unpacked inside the
+kernels) against dequantize-then-matmul, in Triton's CPU interpreter: the one- and two-token GEMVs
+(both launch plans) and the grouped GEMMs, with gpt-oss's options (top-k-then-softmax routing, biases,
+the clamped SwiGLU), a tensor-parallel shard with and without the down bias, and an expert-parallel one;
+and the plain SiLU experts.
+
+Random bytes draw every e2m1 code (both zeros, both signs); the scales span several powers of two. The
+grouped GEMMs run in float16 here, as in test_triton_moe.py (the interpreter's bf16 tl.dot is wrong);
+the GEMVs in bf16. Skips without Triton (CI)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+CASES: list[dict[str, Any]] = [
+    # tokens, rank, ranks, expert parallel, gpt-oss's options
+    {"T": t, "rank": r, "size": n, "ep": ep, "gptoss": gptoss}
+    for t, r, n, ep, gptoss in [
+        (1, 0, 1, False, True),
+        (2, 1, 2, False, True),  # TP: the second slice, no down bias
+        (2, 1, 2, True, True),
+        (1, 0, 1, False, False),
+        (37, 0, 2, False, True),  # TP: the first slice, with the down bias
+        (37, 1, 2, False, True),
+        (37, 1, 2, True, True),
+        (37, 0, 1, False, False),
+    ]
+]
+SCRIPT = """
+import json, sys, torch
+from tandem.engine.moe.fused import SMALL_MAX_TOKENS, FusedMoE, SmallBlocks
+from tandem.engine.moe.reference import reference_choice, reference_experts
+from tandem.engine.moe.spec import ExpertShard, MoESpec
+from tandem.engine.quant.mxfp4 import dequantize
+
+E, k, H, I = 8, 2, 64, 64
+out = []
+for c in json.loads(sys.argv[1]):
+    T = c["T"]
+    small = T <= SMALL_MAX_TOKENS
+    dtype = torch.bfloat16 if small else torch.float16
+    g = torch.Generator().manual_seed(T * 7 + c["rank"] + 3 * c["ep"])
+    gptoss = c["gptoss"]
+    options = dict(scoring="topk_softmax", router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                   swiglu_limit=1.0, gpt_oss_layout=True) if gptoss else {}
+    spec = MoESpec(E, k, I, not gptoss, (True,), **options)
+    shard = ExpertShard.of(spec, c["rank"], c["size"], expert_parallel=c["ep"])
+    lo, n, e0, el = shard.inter_start, shard.inter_size, shard.expert_start, shard.num_local
+
+    def packed(rows, cols):  # the kernels' layout: [E, rows, cols / 2] bytes, [E, rows, cols / 32] scales
+        blocks = torch.randint(0, 256, (E, rows, cols // 2), generator=g, dtype=torch.uint8)
+        scales = torch.randint(121, 126, (E, rows, cols // 32), generator=g, dtype=torch.uint8)
+        return blocks, scales
+
+    full13, full13_s = packed(2 * I, H)
+    full2, full2_s = packed(H, I)
+    # This rank's shard: whole experts e0.., the rows (gate, then up) of its intermediate slice, and the
+    # down projection's K columns of that slice (whole 32-blocks: lo and n are multiples of 32).
+    rows13 = torch.cat([torch.arange(lo, lo + n), torch.arange(I + lo, I + lo + n)])
+    w13, s13 = full13[e0:e0 + el, rows13].contiguous(), full13_s[e0:e0 + el, rows13].contiguous()
+    w2 = full2[e0:e0 + el, :, lo // 2:(lo + n) // 2].contiguous()
+    s2 = full2_s[e0:e0 + el, :, lo // 32:(lo + n) // 32].contiguous()
+    dense13 = dequantize(w13.view(el, 2 * n, H // 32, 16), s13)
+    dense2 = dequantize(w2.view(el, H, n // 32, 16), s2)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g).to(dtype)
+    b13 = b2 = None
+    if gptoss:
+        b13 = torch.randn(el, 2 * n, generator=g).to(dtype)
+        b2 = torch.randn(el, H, generator=g).to(dtype)
+    fused = FusedMoE(spec, shard, H)
+    got = fused(x, logits, w13, w2, None, None, False, b13, b2, s13, s2).float()
+    weights, ids = reference_choice(logits, k, renormalize=spec.renormalize, scoring=spec.scoring)
+    want = reference_experts(x, weights, ids, dense13, dense2, expert_start=e0, spec=spec if gptoss else None,
+                             b13=b13, b2=b2 if lo == 0 else None)
+    result = {"err": float((got - want).abs().max() / want.abs().max()), "small": small,
+              "nonzero": float(want.abs().max())}
+    if small:
+        own = fused._small(x, logits, w13, w2, None, None, blocks=SmallBlocks(routed=False),
+                           biases=(b13, b2), scales=(s13, s2))
+        result["err_unrouted"] = float((own.float() - want).abs().max() / want.abs().max())
+    out.append(result)
+print(json.dumps(out))
+"""
+
+
+def test_mxfp4_experts_match_dequantize_then_matmul_in_the_interpreter(
+    triton_interpreter: Callable[[str, object], Any],
+) -> None:
+    results = triton_interpreter(SCRIPT, CASES)
+    assert [r["small"] for r in results] == [c["T"] <= 2 for c in CASES]
+    for case, r in zip(CASES, results):
+        # One rounding of the activation and of each pair's row: bf16 ~ 2^-8, fp16 ~ 2^-11.
+        bound = 2e-2 if r["small"] else 4e-3
+        assert r["nonzero"] > 0 and r["err"] < bound, (case, r)
+        if r["small"]:
+            assert r["err_unrouted"] < bound, (case, r)
