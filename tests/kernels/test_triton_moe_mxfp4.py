@@ -11,6 +11,7 @@ the GEMVs in bf16. Skips without Triton (CI)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 CASES: list[dict[str, Any]] = [
@@ -96,3 +97,44 @@ def test_mxfp4_experts_match_dequantize_then_matmul_in_the_interpreter(
         assert r["nonzero"] > 0 and r["err"] < bound, (case, r)
         if r["small"]:
             assert r["err_unrouted"] < bound, (case, r)
+
+
+MODEL_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from tandem import LLM, SamplingParams
+from tandem.engine.moe.fused import FusedMoE
+from tandem.engine.moe.layer import MoE
+from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
+
+mxfp4_dir, dense_dir = json.loads(sys.argv[1])
+# What the engine chooses on CUDA with Triton: the experts stay packed.
+Mxfp4Checkpoint.resident = staticmethod(lambda device, *, triton: True)
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 13, 40)]
+llm = LLM(mxfp4_dir, device="cpu", chunk_size=16)
+layers = [m for m in llm.runtime.engine.model.modules() if isinstance(m, MoE)]
+for m in layers:  # the kernels the engine sets up on CUDA
+    m.experts.fused = FusedMoE(m.experts.spec, m.shard, m.experts.hidden_size)
+outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+hf = AutoModelForCausalLM.from_pretrained(dense_dir, attn_implementation="eager").eval()
+want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        for p in prompts]
+print(json.dumps({"packed": [str(m.experts.w13.dtype) for m in layers],
+                  "same": [o.token_ids == w for o, w in zip(outs, want)]}))
+"""
+
+
+def test_a_whole_mxfp4_gpt_oss_on_the_kernels_gives_hf_greedy_tokens(
+    triton_interpreter: Callable[[str, object], Any],
+    tiny_model_dir: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """A tiny gpt-oss in the hub's MXFP4 layout, its experts held packed and run by the kernels' MXFP4
+    option in float32 (prefill chunks and decode steps of one to three rows: both paths), gives HF's
+    greedy tokens on the dequantized weights."""
+    from ..engine.test_mxfp4 import write_mxfp4
+
+    write_mxfp4(tiny_model_dir("gpt_oss"), tmp_path / "dense", tmp_path / "mxfp4")
+    out = triton_interpreter(MODEL_SCRIPT, [str(tmp_path / "mxfp4"), str(tmp_path / "dense")])
+    assert out == {"packed": ["torch.uint8"] * 4, "same": [True, True, True]}
