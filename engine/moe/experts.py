@@ -68,11 +68,10 @@ class MoEExperts(nn.Module):
         self.w2_scales: nn.Parameter | None = None
         if mxfp4:  # packed along the reduction: H for gate/up, I for down
             check_mxfp4_split(spec, shard, hidden_size)
-            u8 = {"dtype": torch.uint8, "device": device}
-            self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size // 2, **u8), False)
-            self.w13_scales = nn.Parameter(torch.empty(e, 2 * i, hidden_size // BLOCK, **u8), False)
-            self.w2 = nn.Parameter(torch.empty(e, hidden_size, i // 2, **u8), False)
-            self.w2_scales = nn.Parameter(torch.empty(e, hidden_size, i // BLOCK, **u8), False)
+            self.w13 = _bytes((e, 2 * i, hidden_size // 2), device)
+            self.w13_scales = _bytes((e, 2 * i, hidden_size // BLOCK), device)
+            self.w2 = _bytes((e, hidden_size, i // 2), device)
+            self.w2_scales = _bytes((e, hidden_size, i // BLOCK), device)
         else:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
             self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
@@ -278,6 +277,10 @@ def _experts_of(
         return source.read(0, shard.expert_start, shard.num_local).transpose(1, 2)
     check_shape(source, shape, what)
     return source.read(0, shard.expert_start, shard.num_local)
+
+
+def _bytes(shape: tuple[int, int, int], device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=device), requires_grad=False)
 
 
 def check_mxfp4_split(spec: MoESpec, shard: ExpertShard, hidden: int) -> None:
