@@ -121,3 +121,9 @@ def test_dummy_weights_draw_the_packed_layout(tiny_model_dir: Callable[..., Path
         assert len(out[0].token_ids) == 4
     finally:
         llm.shutdown()
+
+
+def test_the_experts_stay_packed_only_on_cuda_with_triton() -> None:
+    assert Mxfp4Checkpoint.resident(torch.device("cuda"), triton=True)
+    assert not Mxfp4Checkpoint.resident(torch.device("cuda"), triton=False)
+    assert not Mxfp4Checkpoint.resident(torch.device("cpu"), triton=True)
