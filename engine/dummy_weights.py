@@ -4,8 +4,9 @@ disk holds (the 60 GB Qwen3-30B-A3B), and for tests that need a model without it
 
 The values make a well-scaled network rather than a trained one: matrices ~ N(0, 1/fan_in), embeddings and
 the LM head ~ N(0, 0.02^2), norms at their neutral scale (1, or 0 where Gemma stores w - 1), biases (an
-MoE's 2-D expert biases too) and attention sinks zero. A checkpoint's layout (bf16 or MXFP4) plays no part:
-both draw the same dense parameters.
+MoE's 2-D expert biases too) and attention sinks zero. An MXFP4 checkpoint's experts draw the layout the
+engine holds them in: dense where they are dequantized at load (CPU), random bytes with scales of that
+spread where they stay 4-bit (quant/mxfp4.py `fill_dummy`).
 Each parameter draws from its own generator, seeded from its name, so every rank of a TP group draws the
 same values for the parameters they all hold whole (norms, MoE routers): they route every token alike.
 A split parameter's shards hold the same draw on every rank, which is as random as any other.
@@ -18,6 +19,7 @@ import zlib
 import torch
 
 from tandem.engine.models.common import CausalLM
+from tandem.engine.quant.mxfp4 import fill_dummy
 
 EMBED_STD = 0.02
 
@@ -27,6 +29,10 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Fill every parameter of `model` in place, on the device it lives on."""
     gemma = model.traits.gemma_norm
     for name, param in model.named_parameters():
+        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if param.dtype == torch.uint8:  # resident MXFP4 experts: packed codes, or their e8m0 scales
+            fill_dummy(param, scales=name.endswith("_scales"), generator=gen)
+            continue
         if name.endswith(("bias", "b13", "b2", "sinks.weight")):
             param.zero_()
             continue
@@ -35,5 +41,4 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
             param.fill_(neutral)
             continue
         std = EMBED_STD if "embed" in name or "lm_head" in name else param.shape[-1] ** -0.5
-        gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         param.normal_(0.0, std, generator=gen)

@@ -76,9 +76,20 @@ class Engine:
         )
         # Which kernels each captured shape runs: one plan per decode graph and piecewise bucket.
         self.planner = KernelPlanner.from_config(config)
+        mxfp4 = Mxfp4Checkpoint.from_dir(config.model_dir)
+        # MXFP4 experts stay 4-bit where the Triton MoE kernels read them; elsewhere (CPU) they are
+        # dequantized at load, so the torch path computes on exactly HF's values.
+        triton = kernels is not None and kernels.triton is not None
+        self.mxfp4_experts = mxfp4 is not None and mxfp4.resident(config.device, triton=triton)
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(
-                mc, tp, config.dtype, config.device, kernels, expert_parallel=config.expert_parallel
+                mc,
+                tp,
+                config.dtype,
+                config.device,
+                kernels,
+                expert_parallel=config.expert_parallel,
+                mxfp4_experts=self.mxfp4_experts,
             )
         self.kernels = kernels
         self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
@@ -89,7 +100,6 @@ class Engine:
             # blocks where it has them), so a dummy FP8 model runs the kernels the real one would.
             report = LoadReport(fp8_modules=self.model.linear_layers() if fp8 is not None else [])
         else:
-            mxfp4 = Mxfp4Checkpoint.from_dir(config.model_dir)
             report = load_weights(self.model, config.model_dir, progress, fp8, mxfp4)
         self.kv_dtype = config.kv_cache_dtype or config.dtype
         if fp8 is not None or config.quantization == "fp8":
@@ -101,6 +111,10 @@ class Engine:
             # Hand the 16-bit weights' memory back, so the KV pool is sized with it.
             if config.fp8_gemm is not None:
                 torch.cuda.empty_cache()
+        # The weights' bytes on this rank as they sit in memory (resident MXFP4 experts: their packed
+        # bytes and scales); the KV pool is sized from what the device has free after them.
+        self.weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        logger.info("weights: %.2f GiB on this rank", self.weight_bytes / 2**30)
         self.model.eval()
         self.capture_seconds = 0.0
         # LoRA slots come before the graphs, which read them, and before the KV pool is sized.

@@ -177,10 +177,20 @@ class CausalLM(nn.Module):
         kernels: FusedKernels | None = None,
         *,
         expert_parallel: bool = False,
+        mxfp4_experts: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
-        b = Build(config, self.traits, tp, dtype, device, kernels, expert_parallel=expert_parallel)
+        b = Build(
+            config,
+            self.traits,
+            tp,
+            dtype,
+            device,
+            kernels,
+            expert_parallel=expert_parallel,
+            mxfp4_experts=mxfp4_experts,
+        )
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)
         # What compute_logits returns: the LM head's own dtype, so the sampler's one-pass race reads it

@@ -53,11 +53,14 @@ class Build:
         kernels: FusedKernels | None = None,
         *,
         expert_parallel: bool = False,
+        mxfp4_experts: bool = False,
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
         # MoE layers: whole experts per rank instead of a slice of every expert (moe/spec.py ExpertShard).
         self.expert_parallel = expert_parallel
+        # MoE experts kept as MXFP4 bytes that the Triton kernels unpack (moe/experts.py), not dense.
+        self.mxfp4_experts = mxfp4_experts
 
     def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(

@@ -9,6 +9,13 @@ per-expert `experts.N.{gate,up,down}_proj.weight` tensors (what `save_pretrained
 what Mixtral, Qwen1.5-MoE and Qwen3-MoE checkpoints hold) are stacked into it at load time.
 gpt-oss's fused tensors (`MoESpec.gpt_oss_layout`: [E, H, 2I] with gate and up interleaved, and [E, I, H])
 are transposed and de-interleaved at load, one expert at a time, keeping only this rank's shard.
+
+Resident MXFP4 experts (`mxfp4=True`: an MXFP4 checkpoint served by the Triton kernels) keep the hub's
+4-bit bytes instead: `w13` uint8 [E_local, 2 I_local, H / 2] and `w13_scales` [E_local, 2 I_local, H / 32]
+(the gate rows, then the up rows, de-interleaved at load), `w2` uint8 [E_local, H, I_local / 2] and
+`w2_scales` [E_local, H, I_local / 32]: every row packed along the reduction, as triton_mxfp4.py reads
+it. A TP slice of the intermediate dimension is then a slice of down_proj's 32-value blocks, so it must
+keep whole blocks (`check_mxfp4_split`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from tandem.engine.layers.source import TensorSource, check_shape
 from tandem.engine.moe.activation import gated
 from tandem.engine.moe.routing import select_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
+from tandem.engine.quant.mxfp4 import BLOCK, Mxfp4Source, dequantize
 
 # Shard ids of the fused layout's two tensors; per-expert tensors use 3 * expert + kind.
 FUSED_GATE_UP, FUSED_DOWN = -1, -2
@@ -50,12 +58,23 @@ class MoEExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: Any = None,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
-        self.spec, self.shard, self.hidden_size = spec, shard, hidden_size
+        self.spec, self.shard, self.hidden_size, self.dtype = spec, shard, hidden_size, dtype
         e, i = shard.num_local, shard.inter_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
+        self.mxfp4 = mxfp4
+        self.w13_scales: nn.Parameter | None = None
+        self.w2_scales: nn.Parameter | None = None
+        if mxfp4:  # packed along the reduction: H for gate/up, I for down
+            check_mxfp4_split(spec, shard, hidden_size)
+            self.w13 = _bytes((e, 2 * i, hidden_size // 2), device)
+            self.w13_scales = _bytes((e, 2 * i, hidden_size // BLOCK), device)
+            self.w2 = _bytes((e, hidden_size, i // 2), device)
+            self.w2_scales = _bytes((e, hidden_size, i // BLOCK), device)
+        else:
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
+            self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
         self.b13: nn.Parameter | None = None
         self.b2: nn.Parameter | None = None
         if spec.expert_bias:
@@ -155,6 +174,13 @@ class MoEExperts(nn.Module):
             check_shape(source, (experts, hidden, 2 * full), what)
         else:
             check_shape(source, (experts, full, hidden), what)
+        if self.mxfp4 and not is_bias:
+            if not isinstance(source, Mxfp4Source):
+                raise ValueError(
+                    f"{what}: resident MXFP4 experts load an MXFP4 checkpoint's blocks and scales"
+                )
+            self._load_packed(source, gate_up)
+            return
         for local in range(s.num_local):
             block = source.read(0, s.expert_start + local, 1)[0]
             if gate_up:
@@ -170,6 +196,35 @@ class MoEExperts(nn.Module):
             else:
                 self.w2.data[local].copy_(block[lo : lo + size].T)
 
+    def _load_packed(self, source: Mxfp4Source, gate_up: bool) -> None:
+        """The hub's bytes as they are, this rank's part of them: gate_up_proj's rows [2 lo, 2 (lo + size))
+        (gate and up interleaved: the even rows are gate's), down_proj's blocks of K [lo, lo + size)."""
+        s = self.shard
+        lo, size = s.inter_start, s.inter_size
+        assert self.w13_scales is not None and self.w2_scales is not None
+        for local in range(s.num_local):
+            blocks, scales = source.read_packed(s.expert_start + local)  # [rows, G, 16], [rows, G]
+            if gate_up:
+                rows, row_scales = blocks[2 * lo : 2 * (lo + size)], scales[2 * lo : 2 * (lo + size)]
+                self.w13.data[local, :size].copy_(rows[0::2].flatten(-2))
+                self.w13.data[local, size:].copy_(rows[1::2].flatten(-2))
+                self.w13_scales.data[local, :size].copy_(row_scales[0::2])
+                self.w13_scales.data[local, size:].copy_(row_scales[1::2])
+            else:
+                first, end = lo // BLOCK, (lo + size) // BLOCK
+                self.w2.data[local].copy_(blocks[:, first:end].flatten(-2))
+                self.w2_scales.data[local].copy_(scales[:, first:end])
+
+    def expert_weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `local`'s (w13, w2) in the compute dtype: resident MXFP4 ones dequantized (the
+        torch path; the kernels read the bytes)."""
+        if self.w13_scales is None or self.w2_scales is None:
+            return self.w13[local], self.w2[local]
+        w13, w2 = self.w13[local], self.w2[local]
+        dense13 = dequantize(w13.view(w13.shape[0], -1, BLOCK // 2), self.w13_scales[local])
+        dense2 = dequantize(w2.view(w2.shape[0], -1, BLOCK // 2), self.w2_scales[local])
+        return dense13.to(self.dtype), dense2.to(self.dtype)
+
     # ---- forward -------------------------------------------------------------------------------------
     def forward(
         self,
@@ -184,8 +239,9 @@ class MoEExperts(nn.Module):
         the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
         if self.fused is not None:
             out: torch.Tensor = self.fused(
-                x, logits, self.w13, self.w2, shared, shared_gate, pdl, self.b13, self.b2
-            )
+                x, logits, self.w13, self.w2, shared, shared_gate, pdl, self.b13, self.b2,
+                self.w13_scales, self.w2_scales,
+            )  # fmt: skip
             return out
         spec = self.spec
         weights, ids = select_experts(logits, spec.top_k, renormalize=spec.renormalize, scoring=spec.scoring)
@@ -203,9 +259,10 @@ class MoEExperts(nn.Module):
         for e in range(self.shard.num_local):
             hit = local == e  # [T, k]: each expert appears at most once per token
             weight = (weights * hit).sum(dim=-1, keepdim=True)
-            gate_up = F.linear(x, self.w13[e], None if self.b13 is None else self.b13[e])
+            w13, w2 = self.expert_weights(e)
+            gate_up = F.linear(x, w13, None if self.b13 is None else self.b13[e])
             down_bias = self.b2[e] if self.b2 is not None and self.adds_down_bias else None
-            y = F.linear(gated(gate_up[:, :size], gate_up[:, size:], self.spec), self.w2[e], down_bias)
+            y = F.linear(gated(gate_up[:, :size], gate_up[:, size:], self.spec), w2, down_bias)
             out += torch.where(hit.any(dim=-1, keepdim=True), y * weight, 0.0).to(x.dtype)
         return out
 
@@ -220,3 +277,22 @@ def _experts_of(
         return source.read(0, shard.expert_start, shard.num_local).transpose(1, 2)
     check_shape(source, shape, what)
     return source.read(0, shard.expert_start, shard.num_local)
+
+
+def _bytes(shape: tuple[int, int, int], device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8, device=device), requires_grad=False)
+
+
+def check_mxfp4_split(spec: MoESpec, shard: ExpertShard, hidden: int) -> None:
+    """Raise ValueError, naming the fix, where resident MXFP4 experts would cut a 32-value block: the
+    hidden size (gate/up's reduction) and this rank's slice of the intermediate dimension (down's
+    reduction) must hold whole blocks."""
+    full, lo, end = spec.expert_intermediate_size, shard.inter_start, shard.inter_start + shard.inter_size
+    if hidden % BLOCK:
+        raise ValueError(f"MXFP4 experts: hidden_size {hidden} is not a multiple of {BLOCK}")
+    if lo % BLOCK or shard.inter_size % BLOCK:
+        raise ValueError(
+            f"MXFP4 experts: this rank's rows [{lo}, {end}) of the experts' intermediate size {full} cut "
+            f"its {BLOCK}-value blocks; pick a tp_size that splits {full} into multiples of {BLOCK}, "
+            "or enable_expert_parallel=True"
+        )

@@ -100,6 +100,17 @@ class Routing:
 
 
 Biases = tuple[torch.Tensor | None, torch.Tensor | None]  # (b13, b2) of the experts, or None each
+Scales = tuple[torch.Tensor | None, torch.Tensor | None]  # MXFP4 experts' (s13, s2), or None each
+
+
+def mxfp4_options(w: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
+    """A launch's weight-format arguments: MXFP4 with the scales of packed `w`, or the dense default
+    (`w` a placeholder for the scales pointer the launch does not read)."""
+    if scale is None:
+        return {"MXFP4": False, "scales": w, "stride_e": 0, "stride_n": 0}
+    if w.dtype != torch.uint8 or scale.dtype != torch.uint8 or w.shape[-1] * 2 != scale.shape[-1] * 32:
+        raise ValueError(f"MXFP4 experts: blocks {w.dtype} {list(w.shape)} and scales {list(scale.shape)}")
+    return {"MXFP4": True, "scales": scale, "stride_e": scale.stride(0), "stride_n": scale.stride(1)}
 
 
 class FusedMoE:
@@ -125,13 +136,18 @@ class FusedMoE:
         pdl: bool = False,
         b13: torch.Tensor | None = None,
         b2: torch.Tensor | None = None,
+        s13: torch.Tensor | None = None,
+        s2: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`b13` [E_local, 2I] and `b2` [E_local, H]: the experts' biases, where the spec has them."""
-        biases = (b13, b2)
+        """`b13` [E_local, 2I] and `b2` [E_local, H]: the experts' biases, where the spec has them.
+        `s13` and `s2`: MXFP4 experts' e8m0 scales, [E_local, 2I, H / 32] and [E_local, H, I / 32]; with
+        them `w13` [E_local, 2I, H / 2] and `w2` [E_local, H, I / 2] are their packed uint8 blocks
+        (triton_mxfp4.py), which the kernels unpack as they read."""
+        biases, scales = (b13, b2), (s13, s2)
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, biases=biases)
+            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, biases=biases, scales=scales)
         routing = self.route(logits)
-        pairs = self.expert_gemms(x, routing, w13, w2, biases)
+        pairs = self.expert_gemms(x, routing, w13, w2, biases, scales)
         return self.sum(pairs, routing, shared, shared_gate)
 
     def _options(self, w: torch.Tensor, biases: Biases, *, up: bool) -> dict[str, Any]:
@@ -160,6 +176,7 @@ class FusedMoE:
         pdl: bool = False,
         blocks: SmallBlocks | None = None,
         biases: Biases = (None, None),
+        scales: Scales = (None, None),
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         b = blocks or SMALL_BLOCKS
@@ -176,12 +193,14 @@ class FusedMoE:
         up_k, up_n = reduction_block(b.up_bk, hidden), b.up_bn
         up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
         o = self._options(w13, biases, up=True)
+        f = mxfp4_options(w13, scales[0])
         up(x, logits, ids, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
            HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, ROUTED=b.routed, num_warps=b.up_warps,
            b13_ptr=o["bias"], stride_b13=o["stride"], alpha=o["alpha"], limit=o["limit"],
            HAS_BIAS=o["HAS_BIAS"], CLAMPED=o["CLAMPED"], TOPK_SOFTMAX=self.topk_softmax,
-           **pdl_launch(pdl))  # fmt: skip
+           s13_ptr=f["scales"], stride_se=f["stride_e"], MXFP4=f["MXFP4"], **pdl_launch(pdl))  # fmt: skip
         d = self._options(w2, biases, up=False)
+        f = mxfp4_options(w2, scales[1])
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
         down_k, down_n = reduction_block(b.down_bk, inter), b.down_bn
@@ -212,6 +231,9 @@ class FusedMoE:
             stride_b2=d["stride"],
             HAS_BIAS=d["HAS_BIAS"],
             TOPK_SOFTMAX=self.topk_softmax,
+            s2_ptr=f["scales"],
+            stride_se=f["stride_e"],
+            MXFP4=f["MXFP4"],
             **pdl_launch(pdl),
         )
         return out
@@ -269,15 +291,16 @@ class FusedMoE:
         w13: torch.Tensor,
         w2: torch.Tensor,
         biases: Biases = (None, None),
+        scales: Scales = (None, None),
     ) -> torch.Tensor:
         """Both grouped GEMMs: the weighted down projection of every pair, [T * k, H] (rows of other
         ranks' experts are left unwritten)."""
         inter, k, hidden = self.shard.inter_size, self.spec.top_k, self.hidden
         act = torch.empty(routing.num_pairs, inter, dtype=x.dtype, device=x.device)
-        up = self._options(w13, biases, up=True)
+        up = self._options(w13, biases, up=True) | mxfp4_options(w13, scales[0])
         self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=hidden, row_div=k, gated=True, options=up)
         pairs = torch.empty(routing.num_pairs, hidden, dtype=x.dtype, device=x.device)
-        down = self._options(w2, biases, up=False)
+        down = self._options(w2, biases, up=False) | mxfp4_options(w2, scales[1])
         self._gemm(act, w2, pairs, routing, routing.down, n=hidden, k_dim=inter, row_div=1, gated=False,
                    options=down)  # fmt: skip
         return pairs
@@ -305,7 +328,9 @@ class FusedMoE:
              BK=blocks.bk, GROUP_M=blocks.group_m, num_warps=blocks.num_warps,
              num_stages=blocks.num_stages, bias_ptr=o["bias"], stride_bias=o["stride"],
              alpha=o.get("alpha", 1.0), limit=o.get("limit", 0.0), HAS_BIAS=o["HAS_BIAS"],
-             CLAMPED=o.get("CLAMPED", False))  # fmt: skip
+             CLAMPED=o.get("CLAMPED", False), scales_ptr=o.get("scales", w),
+             stride_se=o.get("stride_e", 0), stride_sn=o.get("stride_n", 0),
+             MXFP4=o.get("MXFP4", False))  # fmt: skip
 
     def sum(
         self,

@@ -42,7 +42,13 @@ class MoE(nn.Module):
 
             fused = FusedMoE(spec, self.shard, c.hidden_size)
         self.experts = MoEExperts(
-            spec, self.shard, c.hidden_size, dtype=b.dtype, device=b.device, fused=fused
+            spec,
+            self.shard,
+            c.hidden_size,
+            dtype=b.dtype,
+            device=b.device,
+            fused=fused,
+            mxfp4=b.mxfp4_experts,
         )
         self.shared_expert = shared_expert
         self.shared_expert_gate = b.replicated(c.hidden_size, 1) if shared_expert is not None else None

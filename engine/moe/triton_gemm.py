@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem.engine.moe.triton_mxfp4 import mxfp4_values
+
 
 @triton.jit(do_not_specialize=["num_pairs", "max_row_blocks"])
 def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
@@ -49,11 +51,18 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     limit=0.0,
     HAS_BIAS: tl.constexpr = False,
     CLAMPED: tl.constexpr = False,
+    scales_ptr=None,
+    stride_se=0,
+    stride_sn=0,
+    MXFP4: tl.constexpr = False,
 ):
     """out[pair, n] for n < N: GATED, silu(a W[:N]^T) * (a W[N:2N]^T) (W [2N, K], the gate rows first);
     else (a W^T) * weights[pair] (W [N, K]). a's row is pair // A_ROW_DIV (the token for the up GEMM,
     the pair itself for the down GEMM). HAS_BIAS: the expert's bias row (bias [E_local, 2N] gated, else
-    [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one."""
+    [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one.
+    MXFP4: W is packed (uint8 [E, rows, K / 2], its byte strides stride_we, stride_wn) with e8m0 scales
+    (uint8 [E, rows, K / 32], strides stride_se, stride_sn), unpacked into the activation's dtype per
+    tile (triton_mxfp4.py); BK a multiple of 32."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M blocks of rows share each weight tile while it is in L2.
@@ -74,15 +83,27 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    # MXFP4: each weight row's first byte and first scale (the packed tile is indexed by k itself).
+    w_rows = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    s_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_mask = ks < K - k0
+        w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(a_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if MXFP4:
+            kk = k0 + ks[:, None]
+            w = mxfp4_values(w_ptr, scales_ptr, w_rows, s_rows, kk, w_mask).to(a.dtype)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = tl.dot(a, w, acc)
         if GATED:
-            up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if MXFP4:
+                up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
+                up = mxfp4_values(w_ptr, scales_ptr, up_rows, up_scales, kk, w_mask).to(a.dtype)
+            else:
+                up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BK
         w_ptrs += BK

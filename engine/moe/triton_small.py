@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem.engine.moe.triton_mxfp4 import mxfp4_values
 from tandem.engine.moe.triton_route import topk_rows
 
 
@@ -83,11 +84,15 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     HAS_BIAS: tl.constexpr = False,
     CLAMPED: tl.constexpr = False,
     TOPK_SOFTMAX: tl.constexpr = False,
+    s13_ptr=None,
+    stride_se=0,
+    MXFP4: tl.constexpr = False,
 ):
     """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's.
     The expert is ids[pair] where choose_kernel ran (ROUTED), else this program's own top k. HAS_BIAS:
     the expert's gate and up biases (b13 [E_local, 2 INTER]) added first; CLAMPED: gpt-oss's clamped
-    SwiGLU instead of silu(gate) * up."""
+    SwiGLU instead of silu(gate) * up. MXFP4: w13 is packed, uint8 [E_local, 2 INTER, HIDDEN / 2] (byte
+    stride stride_we), with its scales s13 [E_local, 2 INTER, HIDDEN / 32] (stride stride_se)."""
     pair = tl.program_id(0)
     token = pair // TOPK
     if PDL:  # the expert, and so every weight address, comes from an earlier kernel: nothing before
@@ -107,6 +112,9 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     col_mask = cols < INTER
     gate_rows = w13_ptr + expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * HIDDEN
+    # MXFP4: the gate rows' first bytes and scales; the up rows follow INTER rows on.
+    gate_bytes = expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * (HIDDEN // 2)
+    gate_scales = expert.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * (HIDDEN // 32)
     acc_gate = tl.zeros([BN], dtype=tl.float32)
     acc_up = tl.zeros([BN], dtype=tl.float32)
     # Unrolled (one step where the hidden size fits a block), so the weight loads are not held back by
@@ -116,8 +124,13 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         k_mask = ks < HIDDEN
         x = tl.load(x_ptr + token.to(tl.int64) * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
         m = col_mask[:, None] & k_mask[None, :]
-        gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        if MXFP4:
+            up_bytes, up_scales = gate_bytes + INTER * (HIDDEN // 2), gate_scales + INTER * (HIDDEN // 32)
+            gate = mxfp4_values(w13_ptr, s13_ptr, gate_bytes, gate_scales, ks[None, :], m)
+            up = mxfp4_values(w13_ptr, s13_ptr, up_bytes, up_scales, ks[None, :], m)
+        else:
+            gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
         acc_gate += tl.sum(gate * x[None, :], axis=1)
         acc_up += tl.sum(up * x[None, :], axis=1)
     if HAS_BIAS:
@@ -166,9 +179,13 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     stride_b2=0,
     HAS_BIAS: tl.constexpr = False,
     TOPK_SOFTMAX: tl.constexpr = False,
+    s2_ptr=None,
+    stride_se=0,
+    MXFP4: tl.constexpr = False,
 ):
     """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n] (+ b2[e_j][n] with HAS_BIAS)) over
-    this rank's experts (+ sigmoid(gate) * shared[token, n])."""
+    this rank's experts (+ sigmoid(gate) * shared[token, n]). MXFP4: w2 is packed, uint8 [E_local, HIDDEN,
+    INTER / 2] (byte stride stride_we), with its scales s2 [E_local, HIDDEN, INTER / 32] (stride_se)."""
     token = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -195,6 +212,9 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         length = tl.where(mine, INTER, 0)
         rows_of = cols[:, None].to(tl.int64) * INTER
         base = w2_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_we + rows_of
+        local = tl.where(mine, expert, 0).to(tl.int64)
+        row_bytes = local * stride_we + cols[:, None].to(tl.int64) * (INTER // 2)
+        row_scales = local * stride_se + cols[:, None].to(tl.int64) * (INTER // 32)
         act_row = act_ptr + (token * TOPK + j).to(tl.int64) * INTER
         part = tl.zeros([BN], dtype=tl.float32)
         for k0 in tl.static_range(0, INTER, BK):
@@ -202,7 +222,10 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
             k_mask = ks < length
             a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32)
             m = col_mask[:, None] & k_mask[None, :]
-            w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            if MXFP4:
+                w = mxfp4_values(w2_ptr, s2_ptr, row_bytes, row_scales, ks[None, :], m)
+            else:
+                w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
             part += tl.sum(w * a[None, :], axis=1)
         if HAS_BIAS:
             # Another rank's expert reads local expert 0's row (a valid address) and adds none of it.

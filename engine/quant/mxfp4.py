@@ -12,6 +12,7 @@ dequantizes only the experts it returns, so each rank dequantizes only its shard
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK = 32  # values per scale
 # e2m1: sign, two exponent bits, one mantissa bit, by code.
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_RMS = math.sqrt(sum(v * v for v in E2M1) / len(E2M1))  # of a uniformly random code
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class Mxfp4Checkpoint:
             return None
         raw = json.loads(path.read_text())
         return cls.from_config(raw.get("quantization_config"))
+
+    @staticmethod
+    def resident(device: torch.device, *, triton: bool) -> bool:
+        """Whether the experts stay 4-bit in memory: on CUDA with the Triton MoE kernels, which unpack
+        them as they read (moe/triton_mxfp4.py); elsewhere they are dequantized at load."""
+        return device.type == "cuda" and triton
 
     @staticmethod
     def weight_name(name: str) -> str:
@@ -63,6 +71,17 @@ class Mxfp4Checkpoint:
         if scales is None:
             raise ValueError(f"MXFP4 tensor {blocks.name!r} has no {scales_name!r} in the checkpoint")
         return Mxfp4Source(blocks, scales)
+
+
+def fill_dummy(param: torch.Tensor, *, scales: bool, generator: torch.Generator) -> None:
+    """`load_format="dummy"` for resident MXFP4 experts: blocks of random bytes (every code, both
+    signs), and one scale for all that brings them near N(0, 1 / fan_in), as the dense draw is: the
+    power of two nearest fan_in^-1/2 over the codes' RMS (fan_in: the row's values, 32 a scale)."""
+    if not scales:
+        param.random_(0, 256, generator=generator)
+        return
+    fan_in = param.shape[-1] * BLOCK
+    param.fill_(127 + round(math.log2(fan_in**-0.5 / E2M1_RMS)))
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -95,6 +114,10 @@ class Mxfp4Source:
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
+
+    def read_packed(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's bytes as stored, not dequantized: blocks [rows, G, 16] and scales [rows, G]."""
+        return self._blocks.read(0, expert, 1)[0], self._scales.read(0, expert, 1)[0]
 
     def read(self, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
         if dim == 0:  # only these experts' blocks are read and dequantized
