@@ -211,8 +211,10 @@ def resolve_backend(
 
 
 def _head_dim(model_dir: Path) -> int | None:
+    """The head size attention kernels see: under latent attention the latent's (kv_c and k_pe)."""
     try:
-        return ModelConfig.from_dir(model_dir).head_dim
+        config = ModelConfig.from_dir(model_dir)
+        return config.head_dim if config.mla is None else config.mla.latent_dim
     except (FileNotFoundError, ValueError, KeyError):
         return None  # the engine reports a broken model directory properly when it loads it
 

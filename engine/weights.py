@@ -77,6 +77,8 @@ def load_weights(
                 continue
             if fp8 is not None and name.endswith(SCALE_SUFFIXES):
                 continue  # read with its weight
+            if ours[name] not in loaders and model.ignores_checkpoint_tensor(ours[name]):
+                continue
             if ours[name] not in loaders:
                 raise ValueError(
                     f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.layers.source import TensorSource, check_shape
-from tandem.engine.moe.routing import select_experts
+from tandem.engine.moe.routing import route
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 
 # Shard ids of the fused layout's two tensors; per-expert tensors use 3 * expert + kind.
@@ -46,9 +46,11 @@ class MoEExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: Any = None,
+        score_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.spec, self.shard, self.hidden_size = spec, shard, hidden_size
+        self.score_bias = score_bias  # "sigmoid_grouped" routing's correction bias (its owner loads it)
         e, i = shard.num_local, shard.inter_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
@@ -104,15 +106,18 @@ class MoEExperts(nn.Module):
         pdl: bool = False,
     ) -> torch.Tensor:
         """This rank's part of sum_j w_j expert_j(x) for router `logits` [T, E], plus
-        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]. `pdl`:
+        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given, or shared alone
+        without a gate (DeepSeek's shared experts): [T, H]. `pdl`:
         the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
         if self.fused is not None:
             out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate, pdl)
             return out
-        weights, ids = select_experts(logits, self.spec.top_k, renormalize=self.spec.renormalize)
+        weights, ids = route(logits, self.spec, self.score_bias)
         out = self._torch_experts(x, weights, ids)
         if shared is not None and shared_gate is not None:
             out = out + torch.sigmoid(shared_gate) * shared
+        elif shared is not None:
+            out = out + shared
         return out
 
     def _torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

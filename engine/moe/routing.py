@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.moe.spec import MoESpec
+
+# What DeepSeek adds to the top-k sum before dividing by it, as its reference code and HF do.
+_RENORM_EPS = 1e-20
+
 
 def select_experts(
     logits: torch.Tensor, top_k: int, *, renormalize: bool
@@ -24,3 +29,29 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route(
+    logits: torch.Tensor, spec: MoESpec, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) by the spec's scoring (spec.py `Scoring`).
+    `score_bias` [E]: "sigmoid_grouped"'s correction bias, added to the scores for the choice only."""
+    if spec.scoring == "softmax_topk":
+        return select_experts(logits, spec.top_k, renormalize=spec.renormalize)
+    sigmoid = spec.scoring == "sigmoid_grouped"
+    scores = logits.float().sigmoid() if sigmoid else torch.softmax(logits.float(), dim=-1)
+    choice = scores + score_bias.float() if sigmoid and score_bias is not None else scores
+    if spec.num_groups > 1:
+        grouped = choice.view(choice.shape[0], spec.num_groups, -1)
+        # A group's score: its best expert (V2), or the sum of its best two (V3).
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if sigmoid else grouped.amax(dim=-1)
+        _, kept = torch.sort(group_scores, dim=-1, descending=True, stable=True)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, kept[:, : spec.topk_groups], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+    _, order = torch.sort(choice, dim=-1, descending=True, stable=True)
+    ids = order[:, : spec.top_k]
+    weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
+    return weights * spec.routed_scaling_factor, ids
