@@ -110,8 +110,15 @@ class MoEExperts(nn.Module):
         without a gate (DeepSeek's shared experts): [T, H]. `pdl`:
         the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
         if self.fused is not None:
-            out: torch.Tensor = self.fused(x, logits, self.w13, self.w2, shared, shared_gate, pdl)
-            return out
+            # The kernels route by softmax top-k themselves; another scoring's choice is made here.
+            choice = (
+                None if self.spec.scoring == "softmax_topk" else route(logits, self.spec, self.score_bias)
+            )
+            gated = shared_gate is not None
+            out: torch.Tensor = self.fused(
+                x, logits, self.w13, self.w2, shared if gated else None, shared_gate, pdl, choice
+            )
+            return out if gated or shared is None else out + shared
         weights, ids = route(logits, self.spec, self.score_bias)
         out = self._torch_experts(x, weights, ids)
         if shared is not None and shared_gate is not None:

@@ -13,6 +13,7 @@ kernels need Blackwell.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,11 @@ class Routing:
 
 
 class FusedMoE:
-    """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`."""
+    """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`.
+
+    `choice` (weights float32 [T, k], expert ids [T, k]): a choice made already, by a router the kernels
+    do not implement (DeepSeek's grouped scorings, routing.py `route`, in torch without a host sync):
+    the kernels then skip their own softmax top-k and group the given pairs."""
 
     def __init__(self, spec: MoESpec, shard: ExpertShard, hidden_size: int) -> None:
         self.spec, self.shard, self.hidden = spec, shard, hidden_size
@@ -118,10 +123,11 @@ class FusedMoE:
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         pdl: bool = False,
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(x, logits, w13, w2, shared, shared_gate, pdl)
-        routing = self.route(logits)
+            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, choice=choice)
+        routing = self.route(logits, choice=choice)
         pairs = self.expert_gemms(x, routing, w13, w2)
         return self.sum(pairs, routing, shared, shared_gate)
 
@@ -135,14 +141,19 @@ class FusedMoE:
         shared_gate: torch.Tensor | None,
         pdl: bool = False,
         blocks: SmallBlocks | None = None,
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         b = blocks or SMALL_BLOCKS
+        if choice is not None:  # the up and down programs read the given choice
+            b = dataclasses.replace(b, routed=True)
         act = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
         route = self._route_args()
         ids = torch.empty(tokens, k, dtype=torch.int32, device=x.device)
         weights = torch.empty(tokens, k, dtype=torch.float32, device=x.device)
-        if b.routed:
+        if choice is not None:
+            weights.copy_(choice[0]), ids.copy_(choice[1])
+        elif b.routed:
             s = self.spec
             choose: Any = choose_kernel[(tokens,)]
             choose(logits, ids, weights, logits.stride(0), E=s.num_experts, E_PAD=self.experts_pad, TOPK=k,
@@ -195,9 +206,15 @@ class FusedMoE:
             s.renormalize,
         )
 
-    def route(self, logits: torch.Tensor, tiles: tuple[GemmBlocks, GemmBlocks] | None = None) -> Routing:
+    def route(
+        self,
+        logits: torch.Tensor,
+        tiles: tuple[GemmBlocks, GemmBlocks] | None = None,
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Routing:
         """Top-k and the grouping by expert for router `logits` [T, E] (two launches), for the GEMMs'
-        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's)."""
+        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's); with
+        `choice`, the grouping of those pairs."""
         tokens, k, device = logits.shape[0], self.spec.top_k, logits.device
         num_pairs, local = tokens * k, self.shard.num_local
         per_expert = num_pairs / self.spec.num_experts
@@ -210,11 +227,14 @@ class FusedMoE:
         weights = torch.empty(tokens, k, dtype=torch.float32, device=device)
         counts = torch.empty(blocks, local, dtype=torch.int32, device=device)
         ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        if choice is not None:
+            weights.copy_(choice[0]), ids.copy_(choice[1])
         s = self.spec
         route: Any = route_kernel[(blocks,)]
         route(logits, ids, weights, counts, ranks, tokens, logits.stride(0), self.shard.expert_start, local,
               E=s.num_experts, E_PAD=self.experts_pad, TOPK=k, K_PAD=self.k_pad, RENORM=s.renormalize,
-              BT=self.route_block, LOCAL_PAD=self.local_pad, num_warps=4)  # fmt: skip
+              BT=self.route_block, LOCAL_PAD=self.local_pad, GIVEN=choice is not None,
+              num_warps=4)  # fmt: skip
         max_slots = num_pairs + local * (bm - 1)
         max_row_blocks = triton.cdiv(max_slots, bm)
         sorted_pairs = torch.empty(max_row_blocks * bm, dtype=torch.int32, device=device)

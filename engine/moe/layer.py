@@ -11,9 +11,9 @@ gate, which is the same on every rank) joins that sum, so the layer has one coll
 
 Routers are kinds of `MoESpec.scoring` (spec.py): softmax top-k, and DeepSeek's grouped top-k over softmax
 (V2) or sigmoid scores with a correction bias (V3, `ScoreBias`). DeepSeek's routers compute their logits
-in float32, as its checkpoints keep the router weights. The Triton path (fused.py) routes by softmax top-k
-only; the grouped scorings take the torch experts path on every device (correct and free of host
-synchronization, but it runs every local expert over every token).
+in float32, as its checkpoints keep the router weights. The Triton kernels (fused.py) route by softmax
+top-k themselves; for the grouped scorings the choice is made in torch (routing.py `route`, no host
+synchronization) and the kernels group and run the given pairs.
 """
 
 from __future__ import annotations
@@ -66,9 +66,7 @@ class MoE(nn.Module):
         )
         self.spec = spec
         fused = None
-        # The Triton path routes by softmax top-k, and adds a shared expert through its sigmoid gate.
-        triton_routes = spec.scoring == "softmax_topk" and spec.shared_expert_gated
-        if b.kernels is not None and b.kernels.triton is not None and triton_routes:
+        if b.kernels is not None and b.kernels.triton is not None:
             from tandem.engine.moe.fused import FusedMoE  # imports Triton: CUDA only
 
             fused = FusedMoE(spec, self.shard, c.hidden_size)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 CASES: list[dict[str, Any]] = [
     # tokens, experts, k, hidden, intermediate, renormalize, rank, ranks, expert parallel, ties, shared, dtype
     {"T": 1, "E": 8, "k": 2, "H": 64, "I": 48, "renorm": True, "rank": 0, "size": 1, "ep": False},
@@ -178,10 +180,12 @@ print(json.dumps({"layers": len(layers), "same": [o.token_ids == w for o, w in z
 """
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2", "deepseek_v3"])
 def test_a_whole_model_on_the_fused_path_gives_hf_greedy_tokens(
-    triton_interpreter: Callable[[str, object], Any], tiny_model_dir: Callable[..., Any]
+    family: str, triton_interpreter: Callable[[str, object], Any], tiny_model_dir: Callable[..., Any]
 ) -> None:
-    """Qwen2-MoE (a shared expert, a dense layer) in float32 with every MoE layer on the Triton kernels:
-    prefill chunks and decode steps of one to three rows take both paths."""
-    out = triton_interpreter(MODEL_SCRIPT, str(tiny_model_dir("qwen2_moe")))
+    """Qwen2-MoE (a shared expert, a dense layer) and DeepSeek-V2/V3 (grouped routers, whose choice the
+    kernels are given, and an ungated shared expert) in float32 with every MoE layer on the Triton
+    kernels: prefill chunks and decode steps of one to three rows take both paths."""
+    out = triton_interpreter(MODEL_SCRIPT, str(tiny_model_dir(family)))
     assert out == {"layers": 3, "same": [True, True, True]}
