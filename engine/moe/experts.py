@@ -46,11 +46,9 @@ class MoEExperts(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         fused: Any = None,
-        score_bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.spec, self.shard, self.hidden_size = spec, shard, hidden_size
-        self.score_bias = score_bias  # "sigmoid_grouped" routing's correction bias (its owner loads it)
         e, i = shard.num_local, shard.inter_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device), False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device), False)
@@ -104,22 +102,22 @@ class MoEExperts(nn.Module):
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         pdl: bool = False,
+        score_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's part of sum_j w_j expert_j(x) for router `logits` [T, E], plus
         sigmoid(shared_gate) * shared where a shared expert's (partial) output is given, or shared alone
         without a gate (DeepSeek's shared experts): [T, H]. `pdl`:
-        the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
+        the fused kernels may launch with programmatic dependent launch (a small decode graph's plan).
+        `score_bias`: the "sigmoid_grouped" router's correction bias, for the choice only."""
         if self.fused is not None:
             # The kernels route by softmax top-k themselves; another scoring's choice is made here.
-            choice = (
-                None if self.spec.scoring == "softmax_topk" else route(logits, self.spec, self.score_bias)
-            )
+            choice = None if self.spec.scoring == "softmax_topk" else route(logits, self.spec, score_bias)
             gated = shared_gate is not None
             out: torch.Tensor = self.fused(
                 x, logits, self.w13, self.w2, shared if gated else None, shared_gate, pdl, choice
             )
             return out if gated or shared is None else out + shared
-        weights, ids = route(logits, self.spec, self.score_bias)
+        weights, ids = route(logits, self.spec, score_bias)
         out = self._torch_experts(x, weights, ids)
         if shared is not None and shared_gate is not None:
             out = out + torch.sigmoid(shared_gate) * shared

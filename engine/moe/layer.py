@@ -77,8 +77,6 @@ class MoE(nn.Module):
             dtype=b.dtype,
             device=b.device,
             fused=fused,
-            # A view of the parameter, not the parameter: MoEExperts must not register it a second time.
-            score_bias=None if self.score_correction is None else self.score_correction.bias.detach(),
         )
         self.shared_expert = shared_expert
         gated = shared_expert is not None and spec.shared_expert_gated
@@ -95,4 +93,5 @@ class MoE(nn.Module):
             shared = self.shared_expert(x, plan, reduce=False)
         if self.shared_expert_gate is not None:
             shared_gate = self.shared_expert_gate(x, plan)
-        return self.tp.all_reduce(self.experts(x, logits, shared, shared_gate, plan.pdl))
+        bias = None if self.score_correction is None else self.score_correction.bias
+        return self.tp.all_reduce(self.experts(x, logits, shared, shared_gate, plan.pdl, bias))
