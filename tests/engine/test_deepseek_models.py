@@ -44,7 +44,11 @@ def test_tp1_greedy_matches_hf_over_a_latent_cache(
     model_dir, prompts, want = cases[family]
     raw = json.loads((model_dir / "config.json").read_text())
     assert sum(len(w) for w in want) >= 2 * MAX_NEW
-    for layout, path in {"per-expert": model_dir, "fused": fused_layout(model_dir, tmp_path / "f")}.items():
+    fused = fused_layout(model_dir, tmp_path / "f")
+    assert any(
+        name.endswith("mlp.experts.gate_up_proj") for name in load_file(str(fused / "model.safetensors"))
+    )
+    for layout, path in {"per-expert": model_dir, "fused": fused}.items():
         llm = LLM(str(path), device="cpu", chunk_size=CHUNK)
         engine = llm.runtime.engine
         # One latent per token and layer, shared by the heads: kv_c then k_pe, and no V.
