@@ -25,11 +25,68 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     # YaRN (layers/yarn.py): the ramp's rotation bounds, whether they are rounded outwards, and the
-    # factor cos and sin are multiplied by (None: derived from `factor`, as transformers does).
+    # factor cos and sin are multiplied by (None: derived from `factor`, and from DeepSeek's `mscale` /
+    # `mscale_all_dim` where both are set, as transformers does). DeepSeek's MLA also scales its
+    # softmax by `mscale_all_dim` (LatentAttentionSpec.scale).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
     attention_factor: float | None = None
+    truncate: bool = True  # round the ramp's ends to whole dimensions
+
+    def yarn_mscale(self, mscale: float = 1.0) -> float:
+        """YaRN's magnitude scale for a context stretched by `factor`: 0.1 mscale ln(factor) + 1. Here
+        rather than in layers/yarn.py because `LatentAttentionSpec.scale` needs it too."""
+        return 1.0 if self.factor <= 1 else 0.1 * mscale * math.log(self.factor) + 1.0
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec:
+    """DeepSeek-V2/V3's multi-head latent attention (MLA): per token, one latent `kv_c`
+    (`kv_lora_rank` wide) and one rope key `k_pe` (`qk_rope_head_dim`) shared by all heads; each head's
+    no-rope key and value are `kv_b_proj` of the latent. `q_lora_rank` None: a plain query projection."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoints' rope dims come in (even, odd) pairs
+    scale: float  # the softmax scale: qk_head_dim^-0.5, times YaRN's mscale(mscale_all_dim) squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV pool stores per token and layer: kv_c, then k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_raw(cls, raw: dict[str, Any], rope: RopeConfig) -> LatentAttentionSpec | None:
+        if raw.get("kv_lora_rank") is None:
+            return None
+        if raw.get("attention_bias"):
+            raise ValueError("attention_bias=true is not supported with latent attention (kv_lora_rank)")
+        q_lora = raw.get("q_lora_rank")
+        nope, rope_dim = int(raw["qk_nope_head_dim"]), int(raw["qk_rope_head_dim"])
+        scale = (nope + rope_dim) ** -0.5
+        if rope.rope_type != "default" and rope.mscale_all_dim:
+            m = rope.yarn_mscale(rope.mscale_all_dim)
+            scale = scale * m * m
+        # DeepSeek-V2's checkpoints are always interleaved; V3 says so with `rope_interleave`.
+        interleave = raw.get("model_type") == "deepseek_v2" or bool(raw.get("rope_interleave", True))
+        return cls(
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(raw["v_head_dim"]),
+            rope_interleave=interleave,
+            scale=scale,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +117,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE); None for dense models
+    mla: LatentAttentionSpec | None = None  # DeepSeek-V2/V3's latent attention; None: q/k/v heads
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -131,6 +189,7 @@ class ModelConfig:
             hidden_act=str(act),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             moe=MoESpec.from_raw(raw, num_layers),
+            mla=LatentAttentionSpec.from_raw(raw, rope_full),
             raw=raw,
         )
 
@@ -205,8 +264,10 @@ def _rope_from(params: dict[str, Any], default_theta: float) -> RopeConfig:
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 

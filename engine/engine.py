@@ -145,15 +145,19 @@ class Engine:
             )
             self._timed(self.piecewise.capture)
         self.groups: list[KVGroupSpec] = plan_groups(mc, self._num_pages())
+        k_dim, v_dim = self.model.kv_head_dims
         self.pool = KVPool(
             self.groups,
             config.page_size,
             self.model.local_kv_heads,
-            mc.head_dim,
+            k_dim,
             dtype=self.kv_dtype,
             device=config.device,
             scales=layer_kv_scales(report.kv_scales),
+            v_head_dim=v_dim,
         )
+        # What one token costs in the KV cache of this rank (latent attention: one latent per layer).
+        self.kv_bytes_per_token = self.pool.bytes_per_token()
         self.model.warm_up_kv_store(self.pool)  # on CUDA: no Triton build waits for the first long prefill
         self.attention: AttentionBackend = backend_factory(config.attention_backend)(
             self.groups,
@@ -195,11 +199,11 @@ class Engine:
     def _num_pages(self) -> int:
         if self.config.num_pages is not None:
             return self.config.num_pages
-        mc, cfg = self.model_config, self.config
+        cfg = self.config
         free, total = torch.cuda.mem_get_info(cfg.device)
         budget = free - (1.0 - cfg.mem_fraction) * total
         elem = torch.empty((), dtype=self.kv_dtype).element_size()  # FP8: twice the pages
-        page_bytes = 2 * mc.num_layers * self.model.local_kv_heads * mc.head_dim * elem * cfg.page_size
+        page_bytes = self.model.kv_bytes_per_token(elem) * cfg.page_size
         if budget < page_bytes * 64:
             raise RuntimeError(
                 f"not enough GPU memory for the KV cache after loading weights: {budget / 2**30:.2f} GiB "

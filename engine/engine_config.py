@@ -19,6 +19,8 @@ from tandem.engine.quant.fp8_format import Fp8Checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The head sizes flashinfer's kernels are built and tested for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+# flashinfer's MLA kernels: kv_lora_rank 512 plus qk_rope_head_dim 64, the latent of every DeepSeek model.
+FLASHINFER_MLA_LATENT_DIM = 576
 KV_TOKENS_CPU = 32768  # the CPU pool's size when num_pages is unset: there is no free memory to size from
 
 
@@ -194,7 +196,7 @@ def resolve_backend(
     sixteen_bit = dtype in (torch.bfloat16, torch.float16)
     if name == "flashinfer" and not sixteen_bit:
         raise ValueError(f"attention_backend='flashinfer' serves bfloat16 and float16, got {dtype}")
-    served = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    served = head_dim is None or head_dim in (*FLASHINFER_HEAD_DIMS, FLASHINFER_MLA_LATENT_DIM)
     if name == "flashinfer" and not served:
         raise ValueError(
             f"attention_backend='flashinfer' serves head_dim {FLASHINFER_HEAD_DIMS}, got {head_dim}"
@@ -211,8 +213,10 @@ def resolve_backend(
 
 
 def _head_dim(model_dir: Path) -> int | None:
+    """The head size attention kernels see: under latent attention the latent's (kv_c and k_pe)."""
     try:
-        return ModelConfig.from_dir(model_dir).head_dim
+        config = ModelConfig.from_dir(model_dir)
+        return config.head_dim if config.mla is None else config.mla.latent_dim
     except (FileNotFoundError, ValueError, KeyError):
         return None  # the engine reports a broken model directory properly when it loads it
 

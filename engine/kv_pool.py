@@ -42,6 +42,9 @@ class KVPool:
     Each group holds one page more than the scheduler hands out: page `num_pages` (`dummy_page`) is
     owned by no request, so CUDA-graph padding rows can read and write it without touching live KV.
 
+    A latent pool (DeepSeek's MLA: `v_head_dim` 0) holds one K "head" per token, the compressed latent
+    and the rope key, which every query head reads; V is a prefix of it, so nothing is stored for V.
+
     An FP8 pool (`dtype` float8_e4m3fn) stores k / k_scale and v / v_scale per layer (`scales`, from the
     checkpoint; 1.0 where it has none), saturated to FP8's range; readers multiply the scale back.
     """
@@ -56,7 +59,9 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         scales: dict[int, tuple[float, float]] | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
+        """`v_head_dim`: V's width where it differs from K's (0: a latent pool, no V)."""
         self.groups = groups
         self.dtype = dtype
         self.fp8 = dtype == torch.float8_e4m3fn
@@ -71,7 +76,8 @@ class KVPool:
                 self.layer_group[layer] = group.group_id
                 self.scales[layer] = (scales or {}).get(layer, (1.0, 1.0))
                 self.k[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-                self.v[layer] = torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                v_dim = head_dim if v_head_dim is None else v_head_dim
+                self.v[layer] = torch.zeros(slots, num_kv_heads, v_dim, dtype=dtype, device=device)
 
     def dummy_page(self, group_id: int) -> int:
         return self.groups[group_id].num_pages
@@ -113,5 +119,10 @@ class KVPool:
         self.v[layer][loc] = v
 
     def bytes_per_page(self) -> int:
-        one = next(iter(self.k.values()))
-        return 2 * one[0].numel() * one.element_size() * self.page_size
+        """One page of one layer: K and V."""
+        k, v = next(iter(self.k.values())), next(iter(self.v.values()))
+        return (k[0].numel() + v[0].numel()) * k.element_size() * self.page_size
+
+    def bytes_per_token(self) -> int:
+        """What one token's K and V cost over all layers on this rank (`kv_bytes_per_token`)."""
+        return sum((self.k[i][0].numel() + self.v[i][0].numel()) * self.k[i].element_size() for i in self.k)

@@ -50,10 +50,12 @@ class PiecewiseGraphRunner:
         lora: EngineLora | None = None,
     ) -> None:
         body = model.model
-        specs = {(s.num_heads, s.num_kv_heads, s.head_dim) for s in model.layer_specs()}
+        specs = {
+            (s.num_heads, s.num_kv_heads, s.head_dim, s.stored_v_dim, s.out_dim) for s in model.layer_specs()
+        }
         if len(specs) != 1:
             raise ValueError(f"piecewise graphs need one attention shape across layers, got {sorted(specs)}")
-        heads, kv_heads, head_dim = specs.pop()
+        heads, kv_heads, head_dim, v_dim, out_dim = specs.pop()
         self.body = body
         self.num_layers = len(body.layers)
         self.device = device
@@ -72,8 +74,8 @@ class PiecewiseGraphRunner:
         self.positions = torch.zeros(t, dtype=torch.int64, device=device)
         self.q = torch.zeros(t, heads, head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
-        self.attn_out = torch.zeros(t, heads * head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(t, kv_heads, v_dim, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(t, heads * out_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
 

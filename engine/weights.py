@@ -84,6 +84,8 @@ def load_weights(
                 continue  # read with its weight
             if mxfp4 is not None and mxfp4.is_scales(name):
                 continue  # read with its blocks
+            if ours[name] not in loaders and model.ignores_checkpoint_tensor(ours[name]):
+                continue
             if ours[name] not in loaders:
                 raise ValueError(
                     f"checkpoint tensor {name!r} does not belong to {model.config.architecture}; "

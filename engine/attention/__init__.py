@@ -11,7 +11,8 @@ from tandem.engine.attention.base import AttentionBackend, LayerSpec
 # name -> "module:factory"; the factory takes (groups, page_size, device, **options).
 _BACKENDS: dict[str, str] = {
     "torch": "tandem.engine.attention.torch_backend:TorchAttentionBackend",
-    "flashinfer": "tandem.engine.attention.flashinfer_backend:FlashInferBackend",
+    # The paged backend, or its MLA option where the layers are latent (flashinfer_mla.py).
+    "flashinfer": "tandem.engine.attention.flashinfer_mla:flashinfer_backend",
 }
 
 

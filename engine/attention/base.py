@@ -31,6 +31,20 @@ class LayerSpec:
     window: int | None  # keys in (q - window, q] are visible; None for full attention
     softcap: float | None
     sinks: bool = False  # a learned sink logit per head joins the softmax (attention/sinks.py)
+    # Latent attention (MLA, absorbed form): K is one head, the latent (kv_c, then k_pe), and V is its
+    # first `latent_v` features, so the pool stores no V and each head's output is `latent_v` wide.
+    # 0: plain K/V heads.
+    latent_v: int = 0
+
+    @property
+    def out_dim(self) -> int:
+        """Each head's output width: V's head size."""
+        return self.latent_v or self.head_dim
+
+    @property
+    def stored_v_dim(self) -> int:
+        """V's width in the KV pool (0 under latent attention: V is read from K)."""
+        return 0 if self.latent_v else self.head_dim
 
 
 @dataclass(frozen=True)

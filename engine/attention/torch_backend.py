@@ -1,8 +1,8 @@
 """Reference attention on any device: gather each row's live pages and call SDPA.
 
 Slower than flashinfer, but it runs on CPU (CI) and serves as the reference on GPU. It handles a
-cached prefix (extend), per-layer sliding windows over evicted page tables, GQA, logit soft-capping and
-attention sinks.
+cached prefix (extend), per-layer sliding windows over evicted page tables, GQA, logit soft-capping,
+attention sinks and latent attention (MLA: one latent K head whose prefix is V).
 """
 
 from __future__ import annotations
@@ -91,11 +91,13 @@ class TorchAttentionBackend:
         if not stored:
             pool.store(layer.layer_id, self._out_loc[group_id], k, v)
         if out is None:
-            out = torch.empty(q.shape[0], layer.num_heads * layer.head_dim, dtype=q.dtype, device=q.device)
-        heads = out.view(q.shape[0], layer.num_heads, layer.head_dim)
+            out = torch.empty(q.shape[0], layer.num_heads * layer.out_dim, dtype=q.dtype, device=q.device)
+        heads = out.view(q.shape[0], layer.num_heads, layer.out_dim)
         for row in self._rows[group_id]:
             qb = q[row.q_start : row.q_start + row.q_len].transpose(0, 1)  # [H, E, D]
             kb, vb = pool.gather(layer.layer_id, row.slots, q.dtype)
+            if layer.latent_v:  # latent attention: V is the latent, K's first features
+                vb = kb[..., : layer.latent_v]
             kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)  # [Hkv, L, D]
             if layer.num_heads != layer.num_kv_heads:
                 repeat = layer.num_heads // layer.num_kv_heads

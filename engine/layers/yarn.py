@@ -2,7 +2,8 @@
 kept) and ones slowed by `factor` (slow rotations, interpolated) over a linear ramp between the dimensions
 that rotate `beta_fast` and `beta_slow` times in the original context, and cos/sin scaled by an attention
 factor. The same arithmetic as transformers' `_compute_yarn_parameters`, in the same float32 steps, so
-the angles agree bit for bit."""
+the angles agree bit for bit. DeepSeek's `mscale` / `mscale_all_dim` pair sets that factor too, and
+`mscale_all_dim` scales its latent attention's softmax (config.py `LatentAttentionSpec`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from tandem.engine.config import RopeConfig
 
 
 def yarn_attention_factor(rope: RopeConfig) -> float:
-    """What cos and sin are multiplied by: the config's `attention_factor`, else 0.1 ln(factor) + 1."""
+    """What cos and sin are multiplied by: the config's `attention_factor`, else
+    mscale(mscale) / mscale(mscale_all_dim) where both are set (DeepSeek), else mscale(1)
+    (`RopeConfig.yarn_mscale`)."""
     if rope.attention_factor is not None:
         return rope.attention_factor
-    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return rope.yarn_mscale(rope.mscale) / rope.yarn_mscale(rope.mscale_all_dim)
+    return rope.yarn_mscale()
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_position: int) -> float:

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine.layers.source import SafetensorsSource
 from tandem.engine.lora.peft_format import PeftAdapter
+from tandem.engine.models.attention import Attention
 from tandem.engine.models.common import MLP, CausalLM
 
 _ALIGN = 64  # elements: every block starts 128 bytes into its slot (16-bit), whatever the shapes
@@ -94,6 +95,9 @@ class LoraLayout:
         for i in range(len(model.model.layers)):
             layer = model.model.layer(i)
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(attn, Attention):
+                raise ValueError(f"LoRA adapters are not supported for {model.config.architecture}'s "
+                                 "latent attention")  # fmt: skip
             parts: list[tuple[torch.nn.Module, tuple[str, ...]]] = [
                 (attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
                 (attn.o_proj, ("o_proj",)),

@@ -17,6 +17,8 @@ _MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
 }
 
 

@@ -167,6 +167,10 @@ class Attention(nn.Module):
             pdl=ctx.plan.pdl,
         )
 
+    def project_out(self, attn_out: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+        """The o projection (and its all-reduce): [T, H * D] -> [T, hidden]."""
+        return self.o_proj(attn_out, plan)  # type: ignore[no-any-return]
+
     def qkv(
         self, positions: torch.Tensor, x: torch.Tensor, plan: KernelPlan, ctx: ForwardContext | None = None
     ) -> QKV:

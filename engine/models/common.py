@@ -25,6 +25,7 @@ from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.source import TensorSource
 from tandem.engine.models.attention import Attention
 from tandem.engine.models.context import Build, ForwardContext, Traits
+from tandem.engine.models.latent_attention import LatentAttention
 from tandem.engine.moe.layer import MoE
 
 Piece = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # residual, q, k, v
@@ -71,7 +72,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, b: Build, layer_id: int) -> None:
         super().__init__()
         size = b.config.hidden_size
-        self.self_attn = Attention(b, layer_id)
+        self.self_attn = LatentAttention(b, layer_id) if b.config.mla else Attention(b, layer_id)
         self.mlp = feed_forward(b, layer_id)
         self.input_layernorm = b.norm(size)
         self.post_attention_layernorm = b.norm(size)
@@ -88,7 +89,7 @@ class DecoderLayer(nn.Module):
         Every residual add is fused with the norm that follows it (`RMSNorm.add`), so `x`, the residual
         stream, may be updated in place; `next_norm` is the next layer's input norm or the final norm.
         """
-        attn = self.self_attn.o_proj(attn_out, plan)
+        attn = self.self_attn.project_out(attn_out, plan)
         if self.sandwich:
             h, x = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn, plan), x, plan)
             mlp_out = self.post_feedforward_layernorm(self.mlp(h, plan), plan)
@@ -204,6 +205,22 @@ class CausalLM(nn.Module):
         """KV heads this rank holds (the KV pool's width)."""
         return self.model.layer(0).self_attn.spec.num_kv_heads
 
+    @property
+    def kv_head_dims(self) -> tuple[int, int]:
+        """(K's, V's) width per KV head in the pool; under latent attention (the latent, 0)."""
+        spec = self.model.layer(0).self_attn.spec
+        return spec.head_dim, spec.stored_v_dim
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """The KV pool's bytes per token over all layers on one rank, at `element_size` bytes each."""
+        k_dim, v_dim = self.kv_head_dims
+        return len(self.model.layers) * self.local_kv_heads * (k_dim + v_dim) * element_size
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """Whether loading skips this checkpoint tensor (after `checkpoint_name`) rather than reject it:
+        none by default; families override it for parts they do not run (DeepSeek's MTP layers)."""
+        return False
+
     def warm_up_kv_store(self, pool: KVPool) -> None:
         """Build the fused rope + K/V store launch of every layer that has one (see Attention)."""
         for i in range(len(self.model.layers)):
@@ -214,6 +231,8 @@ class CausalLM(nn.Module):
         routers and shared-expert gates: their logits pick the experts, so they keep the model's dtype."""
         routers = {id(m.gate) for m in self.modules() if isinstance(m, MoE)}
         routers |= {id(m.shared_expert_gate) for m in self.modules() if isinstance(m, MoE)}
+        # Latent attention reads kv_b_proj's weight as W_UK and W_UV itself (absorbed): no GEMM of its own.
+        routers |= {id(m.kv_b_proj) for m in self.modules() if isinstance(m, LatentAttention)}
         return [
             m
             for m in self.modules()

@@ -29,7 +29,7 @@ from torch import nn
 
 from tandem.engine.layers.source import TensorSource, check_shape
 from tandem.engine.moe.activation import gated
-from tandem.engine.moe.routing import select_experts
+from tandem.engine.moe.routing import route
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.quant.mxfp4 import BLOCK, Mxfp4Source, dequantize
 
@@ -233,21 +233,28 @@ class MoEExperts(nn.Module):
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
         pdl: bool = False,
+        score_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's part of sum_j w_j expert_j(x) for router `logits` [T, E], plus
-        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given: [T, H]. `pdl`:
-        the fused kernels may launch with programmatic dependent launch (a small decode graph's plan)."""
+        sigmoid(shared_gate) * shared where a shared expert's (partial) output is given, or shared alone
+        without a gate (DeepSeek's shared experts): [T, H]. `pdl`:
+        the fused kernels may launch with programmatic dependent launch (a small decode graph's plan).
+        `score_bias`: the "sigmoid_grouped" router's correction bias, for the choice only."""
         if self.fused is not None:
+            # The kernels route by the ungrouped scorings themselves; a grouped one's choice is made here.
+            choice = route(logits, self.spec, score_bias) if self.spec.grouped else None
+            has_gate = shared_gate is not None
             out: torch.Tensor = self.fused(
-                x, logits, self.w13, self.w2, shared, shared_gate, pdl, self.b13, self.b2,
-                self.w13_scales, self.w2_scales,
+                x, logits, self.w13, self.w2, shared if has_gate else None, shared_gate, pdl,
+                b13=self.b13, b2=self.b2, s13=self.w13_scales, s2=self.w2_scales, choice=choice,
             )  # fmt: skip
-            return out
-        spec = self.spec
-        weights, ids = select_experts(logits, spec.top_k, renormalize=spec.renormalize, scoring=spec.scoring)
+            return out if has_gate or shared is None else out + shared
+        weights, ids = route(logits, self.spec, score_bias)
         out = self._torch_experts(x, weights, ids)
         if shared is not None and shared_gate is not None:
             out = out + torch.sigmoid(shared_gate) * shared
+        elif shared is not None:
+            out = out + shared
         return out
 
     def _torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

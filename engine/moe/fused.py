@@ -13,6 +13,7 @@ kernels need Blackwell.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,12 @@ def mxfp4_options(w: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]
 
 
 class FusedMoE:
-    """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`."""
+    """The routed experts of one layer on CUDA: `__call__(x, logits, w13, w2, shared, shared_gate)`.
+
+    The kernels route by softmax top-k, or top-k then softmax (gpt-oss), themselves. `choice` (weights
+    float32 [T, k], expert ids [T, k]): a choice made already, by a router the kernels do not implement
+    (DeepSeek's grouped scorings, routing.py `route`, in torch without a host sync): the kernels then
+    skip their own routing and group the given pairs."""
 
     def __init__(self, spec: MoESpec, shard: ExpertShard, hidden_size: int) -> None:
         self.spec, self.shard, self.hidden = spec, shard, hidden_size
@@ -138,6 +144,7 @@ class FusedMoE:
         b2: torch.Tensor | None = None,
         s13: torch.Tensor | None = None,
         s2: torch.Tensor | None = None,
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`b13` [E_local, 2I] and `b2` [E_local, H]: the experts' biases, where the spec has them.
         `s13` and `s2`: MXFP4 experts' e8m0 scales, [E_local, 2I, H / 32] and [E_local, H, I / 32]; with
@@ -145,8 +152,10 @@ class FusedMoE:
         (triton_mxfp4.py), which the kernels unpack as they read."""
         biases, scales = (b13, b2), (s13, s2)
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, biases=biases, scales=scales)
-        routing = self.route(logits)
+            return self._small(
+                x, logits, w13, w2, shared, shared_gate, pdl, biases=biases, scales=scales, choice=choice
+            )
+        routing = self.route(logits, choice=choice)
         pairs = self.expert_gemms(x, routing, w13, w2, biases, scales)
         return self.sum(pairs, routing, shared, shared_gate)
 
@@ -177,14 +186,19 @@ class FusedMoE:
         blocks: SmallBlocks | None = None,
         biases: Biases = (None, None),
         scales: Scales = (None, None),
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         b = blocks or SMALL_BLOCKS
+        if choice is not None:  # the up and down programs read the given choice
+            b = dataclasses.replace(b, routed=True)
         act = torch.empty(tokens * k, inter, dtype=x.dtype, device=x.device)
         route = self._route_args()
         ids = torch.empty(tokens, k, dtype=torch.int32, device=x.device)
         weights = torch.empty(tokens, k, dtype=torch.float32, device=x.device)
-        if b.routed:
+        if choice is not None:
+            weights.copy_(choice[0]), ids.copy_(choice[1])
+        elif b.routed:
             s = self.spec
             choose: Any = choose_kernel[(tokens,)]
             choose(logits, ids, weights, logits.stride(0), E=s.num_experts, E_PAD=self.experts_pad, TOPK=k,
@@ -251,9 +265,15 @@ class FusedMoE:
             s.renormalize,
         )
 
-    def route(self, logits: torch.Tensor, tiles: tuple[GemmBlocks, GemmBlocks] | None = None) -> Routing:
+    def route(
+        self,
+        logits: torch.Tensor,
+        tiles: tuple[GemmBlocks, GemmBlocks] | None = None,
+        choice: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Routing:
         """Top-k and the grouping by expert for router `logits` [T, E] (two launches), for the GEMMs'
-        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's)."""
+        (up, down) `tiles` (by default `gemm_blocks`'; both must share their BM, the schedule's); with
+        `choice`, the grouping of those pairs."""
         tokens, k, device = logits.shape[0], self.spec.top_k, logits.device
         num_pairs, local = tokens * k, self.shard.num_local
         per_expert = num_pairs / self.spec.num_experts
@@ -266,11 +286,14 @@ class FusedMoE:
         weights = torch.empty(tokens, k, dtype=torch.float32, device=device)
         counts = torch.empty(blocks, local, dtype=torch.int32, device=device)
         ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+        if choice is not None:
+            weights.copy_(choice[0]), ids.copy_(choice[1])
         s = self.spec
         route: Any = route_kernel[(blocks,)]
         route(logits, ids, weights, counts, ranks, tokens, logits.stride(0), self.shard.expert_start, local,
               E=s.num_experts, E_PAD=self.experts_pad, TOPK=k, K_PAD=self.k_pad, RENORM=s.renormalize,
               BT=self.route_block, LOCAL_PAD=self.local_pad, TOPK_SOFTMAX=self.topk_softmax,
+              GIVEN=choice is not None,
               num_warps=4)  # fmt: skip
         max_slots = num_pairs + local * (bm - 1)
         max_row_blocks = triton.cdiv(max_slots, bm)

@@ -9,12 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# How a router turns its logits into (expert, weight) pairs: a softmax over all experts, then the top k
-# (Mixtral, Qwen); or the top k logits, then a softmax over those k (gpt-oss).
-Scoring = Literal["softmax_topk", "topk_softmax"]
+# How a router turns its logits into (expert, weight) pairs (routing.py `route`):
+# - "softmax_topk": softmax over the experts, the top k (Mixtral, the Qwen MoE families);
+# - "topk_softmax" (gpt-oss): the top k logits, then a softmax over those k;
+# - "softmax_grouped" (DeepSeek-V2): softmax; the experts split into `num_groups` groups, each scored by
+#   its best expert, only the `topk_groups` best groups compete for the top k (one group: plain top k);
+# - "sigmoid_grouped" (DeepSeek-V3, Kimi K2): sigmoid scores; a per-expert bias
+#   (`e_score_correction_bias`) added for the choice only; each group scored by the sum of its two best
+#   biased scores; the top k of the kept groups, weighted by their unbiased scores.
+# Both grouped kinds renormalize where `renormalize` says and then multiply by `routed_scaling_factor`.
+Scoring = Literal["softmax_topk", "topk_softmax", "softmax_grouped", "sigmoid_grouped"]
 # The experts' gated activation: silu(gate) * up; or gpt-oss's clamped SwiGLU,
 # gate.clamp(max=limit) * sigmoid(alpha * gate.clamp(max=limit)) * (up.clamp(-limit, limit) + 1).
 Activation = Literal["silu", "swiglu_clamped"]
+
+# DeepSeek configs: (topk_method, scoring_func) pairs this code implements, per scoring.
+_DEEPSEEK_V2_METHODS = ("greedy", "group_limited_greedy")
+_DEEPSEEK_V3_METHODS = ("noaux_tc",)
 
 
 @dataclass(frozen=True)
@@ -38,9 +49,23 @@ class MoESpec:
     # transformers' gpt-oss layout of the fused expert tensors: gate_up_proj [E, H, 2I] with gate and up
     # interleaved (even and odd columns), down_proj [E, I, H]; x @ W rather than x W^T.
     gpt_oss_layout: bool = False
+    # The grouped scorings (DeepSeek): groups of experts, how many of them compete, the weights' factor.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Whether the shared expert's output is scaled by sigmoid(x . shared_expert_gate) (Qwen2-MoE) or
+    # added as it is (DeepSeek's `shared_experts`).
+    shared_expert_gated: bool = True
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer]
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the router scores groups of experts (DeepSeek): its logits are float32 and its choice
+        is made in torch (routing.py `route`), then handed to the Triton kernels, which route the
+        ungrouped scorings themselves."""
+        return self.scoring in ("softmax_grouped", "sigmoid_grouped")
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any], num_layers: int) -> MoESpec | None:
@@ -48,6 +73,8 @@ class MoESpec:
         `intermediate_size` and always renormalizes; the Qwen MoE families size them with
         `moe_intermediate_size` and renormalize where `norm_topk_prob` says so. The expert count is
         `num_experts` or `num_local_experts` (transformers writes either, depending on its version)."""
+        if raw.get("n_routed_experts"):
+            return _deepseek(raw, num_layers)
         experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
         if experts <= 0:
             return None
@@ -84,6 +111,49 @@ class MoESpec:
             sparse_layers=sparse,
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
         )
+
+
+def _deepseek(raw: dict[str, Any], num_layers: int) -> MoESpec:
+    """DeepSeek-V2/V3 (and Kimi K2, a V3): `n_routed_experts` of `moe_intermediate_size`,
+    `n_shared_experts` of that size as one ungated shared expert, dense layers before
+    `first_k_dense_replace` and off the `moe_layer_freq` step. A `topk_method` or `scoring_func` this
+    code does not implement fails here, by name."""
+    experts, top_k = int(raw["n_routed_experts"]), int(raw.get("num_experts_per_tok") or 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must lie in [1, {experts}] (the experts)")
+    v3 = raw.get("model_type") != "deepseek_v2"
+    methods = _DEEPSEEK_V3_METHODS if v3 else _DEEPSEEK_V2_METHODS
+    method = raw.get("topk_method") or methods[0]
+    if method not in methods:
+        raise ValueError(f"unsupported topk_method {method!r} for {raw.get('model_type')}; supported: "
+                         f"{', '.join(methods)}")  # fmt: skip
+    scoring_func = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring_func != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"unsupported scoring_func {scoring_func!r} for {raw.get('model_type')}")
+    grouped = v3 or method == "group_limited_greedy"
+    groups = int(raw.get("n_group") or 1) if grouped else 1
+    topk_groups = int(raw.get("topk_group") or 1) if grouped else 1
+    if experts % groups or not 1 <= topk_groups <= groups:
+        raise ValueError(f"n_group={groups} must divide n_routed_experts={experts}, and topk_group="
+                         f"{topk_groups} lie in [1, n_group]")  # fmt: skip
+    if topk_groups * (experts // groups) < top_k:
+        raise ValueError(f"topk_group={topk_groups} groups hold fewer than num_experts_per_tok={top_k}")
+    first_dense = int(raw.get("first_k_dense_replace") or 0)
+    step = int(raw.get("moe_layer_freq") or 1)
+    size = int(raw["moe_intermediate_size"])
+    return MoESpec(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=size,
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i >= first_dense and i % step == 0 for i in range(num_layers)),
+        shared_expert_intermediate_size=size * int(raw.get("n_shared_experts") or 0),
+        scoring="sigmoid_grouped" if v3 else "softmax_grouped",
+        num_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        shared_expert_gated=False,
+    )
 
 
 @dataclass(frozen=True)

@@ -91,20 +91,26 @@ def route_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     BT: tl.constexpr,
     LOCAL_PAD: tl.constexpr,
     TOPK_SOFTMAX: tl.constexpr = False,
+    GIVEN: tl.constexpr = False,
 ):
     """Tokens [b * BT, (b + 1) * BT): ids and weights [T, TOPK]; counts[b, e] for the local experts e;
-    ranks[pair] among the block's pairs of the same local expert (-1 for another rank's expert)."""
+    ranks[pair] among the block's pairs of the same local expert (-1 for another rank's expert).
+    `GIVEN`: ids and weights hold a choice made already (a router these kernels do not implement);
+    only the counts and ranks are computed."""
     block = tl.program_id(0)
     rows = block * BT + tl.arange(0, BT)
     row_mask = rows < num_tokens
-    ids, weights = topk_rows(
-        logits_ptr, rows, row_mask, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, BT, TOPK_SOFTMAX
-    )
     slots = tl.arange(0, K_PAD)
     real = row_mask[:, None] & (slots[None, :] < TOPK)
     pairs = rows[:, None] * TOPK + slots[None, :]
-    tl.store(ids_ptr + pairs, ids, mask=real)
-    tl.store(weights_ptr + pairs, weights, mask=real)
+    if GIVEN:
+        ids = tl.load(ids_ptr + pairs, mask=real, other=0)
+    else:
+        ids, weights = topk_rows(
+            logits_ptr, rows, row_mask, stride_logits, E, E_PAD, TOPK, K_PAD, RENORM, BT, TOPK_SOFTMAX
+        )
+        tl.store(ids_ptr + pairs, ids, mask=real)
+        tl.store(weights_ptr + pairs, weights, mask=real)
     local = ids - expert_start
     local = tl.where(real & (local >= 0) & (local < num_local), local, -1)
     flat = tl.reshape(local, [BT * K_PAD])

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
@@ -53,6 +55,8 @@ FAMILIES: tuple[str, ...] = (
     "gpt_oss",
 )
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# Latent attention (MLA) and grouped routing; apart from FAMILIES, whose shape (q/k/v heads) tests check.
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
 
 _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
@@ -65,6 +69,8 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2_moe": Qwen2MoeConfig,
     "qwen3_moe": Qwen3MoeConfig,
     "gpt_oss": GptOssConfig,
+    "deepseek_v2": DeepseekV2Config,
+    "deepseek_v3": DeepseekV3Config,
 }
 
 # Gemma's RMSNorm multiplies by (1 + weight); everyone else multiplies by weight.
@@ -161,12 +167,58 @@ _FAMILY: dict[str, dict[str, Any]] = {
     },
 }
 
+# DeepSeek: 8 experts in 4 groups of which 2 compete, after one dense layer, beside a shared expert.
+# V2-Lite's shape (a plain query projection, softmax scores, unnormalized weights); V3's (a low-rank
+# query, sigmoid scores with a correction bias, renormalized, YaRN with both mscales, so the cos/sin
+# factor and the softmax scale both differ from 1).
+_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+}
+_FAMILY["deepseek_v2"] = {
+    **_MLA,
+    "rope_theta": 10000.0,
+    "q_lora_rank": None,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 2,
+    "topk_method": "group_limited_greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 2.0,
+}
+_FAMILY["deepseek_v3"] = {
+    **_MLA,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": MODEL_MAX_LENGTH // 4,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+    },
+    "q_lora_rank": 32,
+    "num_experts_per_tok": 3,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq")
 
 
 def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; supported families: {', '.join(FAMILIES)}")
+    if family not in FAMILIES + MLA_FAMILIES:
+        known = ", ".join(FAMILIES + MLA_FAMILIES)
+        raise ValueError(f"unknown tiny model family {family!r}; supported families: {known}")
 
 
 def tiny_config(family: str, **config_overrides: Any) -> PretrainedConfig:
@@ -195,6 +247,8 @@ def _build_config(
         "eos_token_id": [eos, im_end],
         "pad_token_id": eos,
     }
+    if family in MLA_FAMILIES:
+        kwargs.pop("head_dim")  # the config sets it to qk_rope_head_dim, the rope's width
     if "rope_parameters" in config_overrides:
         # New-style rope wins over legacy keys inside transformers, so drop ours to avoid a silent merge.
         for key in _ROPE_KEYS:
@@ -213,6 +267,7 @@ _GEMMA_EMBED_STD = 0.02  # Gemma multiplies embeddings by sqrt(hidden_size) = 8
 _BIAS_STD = 0.5
 _NORM_JITTER = 0.1  # relative spread of norm weights around their centre
 _QK_NORM_CENTRE = 2.0  # sharper attention for q/k-normed families (qwen3, gemma3); else they loop early
+_SCORE_BIAS_STD = 0.1
 _TARGET_LOGIT_STD = 2.5  # set via the final norm, so sampling is not near-uniform noise
 
 
@@ -252,6 +307,10 @@ def _reinit(model: PreTrainedModel, family: str, seed: int) -> None:
                 centre = 1.0
             value = centre * (1.0 + _NORM_JITTER * noise) - (1.0 if offset_norm else 0.0)
         param.copy_(value.to(param.dtype))
+    for name, buffer in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: moves the choice, not the weights
+            noise = torch.randn(buffer.shape, generator=gen, dtype=torch.float32)
+            buffer.copy_(noise * _SCORE_BIAS_STD)
     if not found_final_norm:
         raise RuntimeError(f"{type(model).__name__} has no model.norm.weight; the logit scale is unset")
 

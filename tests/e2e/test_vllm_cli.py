@@ -15,8 +15,6 @@ from pathlib import Path
 import httpx
 import openai
 
-from tandem.deploy.cli.defaults import DEFAULT_METRICS_PORT
-
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -24,15 +22,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def test_a_vllm_command_line_serves(tmp_path: Path, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -43,8 +32,6 @@ def test_a_vllm_command_line_serves(tmp_path: Path, tiny_model_dir) -> None:  # 
     command += ["--seed", "3", "--served-model-name", "tiny-vllm", "--enable-auto-tool-choice"]
     command += ["--tool-call-parser", "hermes", "--disable-log-requests", "--device", "cpu"]
     command += ["--allowed-origins", '["https://ui.example"]']
-    if not _is_free(DEFAULT_METRICS_PORT):
-        command += ["--metrics-port", str(_free_port())]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import py_compile
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from tandem.engine.attention import backend_factory
-from tandem.engine.engine_config import resolve_backend, resolve_engine_config
+from tandem.engine.engine_config import DeviceFacts, resolve_backend, resolve_engine_config
 from tandem.scheduler.runtime import RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +96,15 @@ def test_flashinfer_only_for_head_sizes_it_serves() -> None:
     assert resolve_backend("auto", cuda, 16) == "torch"  # the tiny test models
     assert resolve_backend("torch", cuda, 128) == "torch"
     assert resolve_backend("auto", torch.device("cpu"), 128) == "torch"
+
+
+def test_latent_attention_takes_flashinfer_where_its_mla_kernels_fit(
+    tiny_model_dir: Callable[..., Path],
+) -> None:
+    """DeepSeek's 512 + 64 latent goes to flashinfer (its MLA option) on a stated Hopper; the tiny
+    models' 32 + 8 latent to the torch reference; flashinfer's MLA module compiles."""
+    facts = DeviceFacts(cuda=True, capability=(9, 0), num_sms=132, flashinfer=True, triton=True)
+    real = tiny_model_dir("deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64)
+    assert resolve_engine_config(real, facts=facts).attention_backend == "flashinfer"
+    assert resolve_engine_config(tiny_model_dir("deepseek_v3"), facts=facts).attention_backend == "torch"
+    py_compile.compile(str(ROOT / "engine/attention/flashinfer_mla.py"), doraise=True)

@@ -51,7 +51,8 @@ def make_batch(engine: Engine, ids: list[list[int]], starts: list[int]) -> Forwa
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss"])  # gpt-oss: the sinks reach attention
+# gpt-oss: the sinks reach attention; DeepSeek: latent attention's pieces
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3"])
 def test_pieces_over_padded_buffers_match_the_eager_forward(tiny_model_dir, family: str) -> None:  # type: ignore[no-untyped-def]
     model_dir: Path = tiny_model_dir(family)
     config = resolve_engine_config(model_dir, device="cpu", page_size=PAGE, num_pages=128)

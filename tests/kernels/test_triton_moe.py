@@ -216,15 +216,18 @@ print(json.dumps({"layers": len(layers), "same": [o.token_ids == w for o, w in z
 """
 
 
-@pytest.mark.parametrize(("family", "layers"), [("qwen2_moe", 3), ("gpt_oss", 4)])
+@pytest.mark.parametrize(
+    ("family", "layers"), [("qwen2_moe", 3), ("gpt_oss", 4), ("deepseek_v2", 3), ("deepseek_v3", 3)]
+)
 def test_a_whole_model_on_the_fused_path_gives_hf_greedy_tokens(
     triton_interpreter: Callable[[str, object], Any],
     tiny_model_dir: Callable[..., Any],
     family: str,
     layers: int,
 ) -> None:
-    """Qwen2-MoE (a shared expert, a dense layer) and gpt-oss (top-k-then-softmax routing, biases, the
-    clamped SwiGLU) in float32 with every MoE layer on the Triton kernels: prefill chunks and decode
-    steps of one to three rows take both paths."""
+    """Qwen2-MoE (a shared expert, a dense layer), gpt-oss (top-k-then-softmax routing, biases, the
+    clamped SwiGLU) and DeepSeek-V2/V3 (grouped routers, whose choice the kernels are given, and an
+    ungated shared expert) in float32 with every MoE layer on the Triton kernels: prefill chunks and
+    decode steps of one to three rows take both paths."""
     out = triton_interpreter(MODEL_SCRIPT, str(tiny_model_dir(family)))
     assert out == {"layers": layers, "same": [True, True, True]}
