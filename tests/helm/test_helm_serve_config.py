@@ -114,6 +114,10 @@ _SERVE = {
     "prompt_chars_per_token": "promptCharsPerToken",
     "chat_template": "chatTemplate",
     "stuck_rank_timeout_s": "stuckRankTimeoutSeconds",
+    "allowed_origins": "allowedOrigins",
+    "enable_auto_tool_choice": "enableAutoToolChoice",
+    "tool_call_parser": "toolCallParser",
+    "reasoning_parser": "reasoningParser",
 }
 _ENGINE = {
     "dtype": "dtype",
@@ -205,6 +209,10 @@ def _example_args() -> list[tuple[str, dict[str, Any]]]:
                 "prompt_chars_per_token": 16,
                 "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
                 "stuck_rank_timeout_s": 20,
+                "allowed_origins": ["https://ui.example"],
+                "enable_auto_tool_choice": False,
+                "tool_call_parser": "hermes",
+                "reasoning_parser": "qwen3",
             },
         ),
         ("fixed-replicas", {"model": "Qwen/Qwen3-0.6B", "num_replicas": 2, "tp_size": 1}),

@@ -104,6 +104,14 @@ Its args are validated by tandem.deploy.config.args.AppArgs, as for `serve run`.
 {{- $_ := set $args "max_choices_per_request" (int $v.serve.maxChoicesPerRequest) }}
 {{- $_ := set $args "prompt_chars_per_token" (int $v.serve.promptCharsPerToken) }}
 {{- $_ := set $args "stuck_rank_timeout_s" (float64 $v.serve.stuckRankTimeoutSeconds) }}
+{{- $_ := set $args "allowed_origins" $v.serve.allowedOrigins }}
+{{- $_ := set $args "enable_auto_tool_choice" $v.serve.enableAutoToolChoice }}
+{{- with $v.serve.toolCallParser }}
+{{- $_ := set $args "tool_call_parser" . }}
+{{- end }}
+{{- with $v.serve.reasoningParser }}
+{{- $_ := set $args "reasoning_parser" . }}
+{{- end }}
 {{- with $v.serve.chatTemplate }}
 {{- $_ := set $args "chat_template" . }}
 {{- end }}
