@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
 from tandem.engine.config import ModelConfig
 
-from .test_moe_models import CHUNK, MAX_NEW, _worker, free_port, fused_layout, hf_greedy, prompts_for
+from .moe_ranks import CHUNK, MAX_NEW, moe_two_ranks
+from .test_moe_models import fused_layout, hf_greedy, prompts_for
 
 FAMILIES = ["deepseek_v2", "deepseek_v3"]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
@@ -70,16 +70,7 @@ def test_tp1_greedy_matches_hf_over_a_latent_cache(
 def two_ranks(cases: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
     """Both families at tp_size=2, with and without expert parallelism, in one pair of processes."""
     jobs = {name: (str(model_dir), prompts) for name, (model_dir, prompts, _) in cases.items()}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = moe_two_ranks(jobs)
     return results
 
 

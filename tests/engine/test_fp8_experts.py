@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from tandem import LLM, SamplingParams
@@ -20,7 +19,8 @@ from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.quant.fp8_export import write_fp8_checkpoint
 
-from .test_moe_models import CHUNK, MAX_NEW, _worker, free_port, hf_greedy, prompts_for
+from .moe_ranks import CHUNK, MAX_NEW, moe_two_ranks
+from .test_moe_models import hf_greedy, prompts_for
 
 BLOCK = (16, 16)  # the tiny experts' intermediate size 32 splits into whole blocks over two ranks
 
@@ -57,17 +57,8 @@ def test_tp1_matches_hf_on_the_dequantized_weights(fp8_moe: dict[str, Any]) -> N
 
 
 def test_tp2_and_expert_parallel_match_hf(fp8_moe: dict[str, Any]) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
     jobs = {"fp8": (str(fp8_moe["dir"]), fp8_moe["prompts"])}
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = moe_two_ranks(jobs)
     for mode in ("tp", "ep"):
         assert results[0][f"fp8/{mode}"]["tokens"] == fp8_moe["want"], mode
         assert results[1][f"fp8/{mode}"]["tokens"] == fp8_moe["want"], mode

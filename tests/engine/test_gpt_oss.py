@@ -152,22 +152,12 @@ def test_router_and_experts_match_transformers() -> None:
 @pytest.fixture(scope="module")
 def two_ranks(case: Any) -> dict[int, dict[str, dict[str, Any]]]:
     """tp_size=2, with and without expert parallelism, over gloo (test_moe_models' worker)."""
-    import torch.multiprocessing as mp
 
-    from .test_moe_models import _worker, free_port
+    from .moe_ranks import moe_two_ranks
 
     model_dir, prompts, _ = case
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
     jobs = {"gpt_oss": (str(model_dir), prompts)}
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = moe_two_ranks(jobs)
     return results
 
 

@@ -6,31 +6,17 @@ decode batch, where most experts get no token."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem import LLM, SamplingParams
-from tandem.engine.distributed import TPGroup
-from tandem.engine.moe.experts import MoEExperts
-from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
-from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
 
-from .rank_runs import run_until_idle
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from .moe_ranks import CHUNK, MAX_NEW, moe_two_ranks
 
 # Qwen2-MoE both ways: the tiny model's top-k unnormalized, a dense layer (mlp_only_layers=[1]) and a
 # shared expert; and here renormalized, with MoE on every second layer only (decoder_sparse_step=2).
@@ -44,8 +30,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3_moe", {}),
 }
 PROMPT_LENS = [3, 60, 9, 21]
-CHUNK = 16  # the 60-token prompt prefills in four chunks
-MAX_NEW = 16
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
@@ -103,44 +87,11 @@ def test_tp1_greedy_matches_hf(variant: str, cases: dict[str, Any], tmp_path: Pa
         llm.shutdown()
 
 
-def _rank(model_dir: str, rank: int, prompts: list[list[int]], ep: bool) -> dict[str, Any]:
-    options = RuntimeOptions.of(device="cpu", chunk_size=CHUNK, enable_expert_parallel=ep)
-    tp = TPGroup(rank, 2, dist.group.WORLD)
-    outputs: list[TokenOutput] = []
-    runtime = RankRuntime(Path(model_dir), options, tp, outputs.extend)
-    held = [tuple(m.w13.shape) for m in runtime.engine.model.modules() if isinstance(m, MoEExperts)]
-    spec = SamplingSpec(max_tokens=MAX_NEW, temperature=0.0)
-    messages: list[SchedulerMsg] = [AddRequest(i, p, spec) for i, p in enumerate(prompts)]
-    done = run_until_idle(runtime, outputs, messages)
-    tokens = [done.get(i, []) for i in range(len(prompts))]
-    return {"tokens": tokens, "experts_held": held}
-
-
-def _worker(rank: int, port: int, jobs: dict[str, tuple[str, list[list[int]]]], queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results = {}
-    for name, (model_dir, prompts) in jobs.items():
-        for mode in ("tp", "ep"):
-            results[f"{name}/{mode}"] = _rank(model_dir, rank, prompts, ep=mode == "ep")
-    dist.destroy_process_group()
-    queue.put((rank, results))
-
-
 @pytest.fixture(scope="module")
 def two_ranks(cases: dict[str, Any]) -> dict[int, dict[str, dict[str, Any]]]:
     """Every variant at tp_size=2, with and without expert parallelism, in one pair of processes."""
     jobs = {name: (str(model_dir), prompts) for name, (model_dir, prompts, _) in cases.items()}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = moe_two_ranks(jobs)
     return results
 
 

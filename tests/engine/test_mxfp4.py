@@ -130,9 +130,8 @@ def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(
 
 def test_mxfp4_tp2_and_expert_parallel_match_hf(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
     """Each rank dequantizes only its shard: a slice of every expert (TP) or its own experts (EP)."""
-    import torch.multiprocessing as mp
 
-    from .test_moe_models import MAX_NEW, _worker, free_port
+    from .moe_ranks import MAX_NEW, moe_two_ranks
 
     write_mxfp4(tiny_model_dir("gpt_oss"), tmp_path / "dense", tmp_path / "mxfp4")
     g = torch.Generator().manual_seed(5)
@@ -143,17 +142,8 @@ def test_mxfp4_tp2_and_expert_parallel_match_hf(tiny_model_dir: Callable[..., Pa
             hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
             for p in prompts
         ]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
     jobs = {"mxfp4": (str(tmp_path / "mxfp4"), prompts)}
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = moe_two_ranks(jobs)
     for rank in (0, 1):
         for mode in ("tp", "ep"):
             assert results[rank][f"mxfp4/{mode}"]["tokens"] == want, (rank, mode)
