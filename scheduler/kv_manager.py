@@ -48,16 +48,34 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def page_budget(
-    window: int | None, page_size: int, chunk_size: int, total_tokens: int, prompt_len: int
+    window: int | None,
+    page_size: int,
+    chunk_size: int,
+    total_tokens: int,
+    prompt_len: int,
+    keep_window: int | None = None,
 ) -> int:
-    """Most pages a request of `total_tokens` can hold at once in a group (pending release included)."""
+    """Most pages a request of `total_tokens` can hold at once in a group (pending release included).
+    `keep_window`: the prompt-end window a request keeps for the prefix cache (`kept_prompt_pages`)."""
     full = _ceil_div(total_tokens, page_size)
     if window is None:
         return full
     # Live keys span (p0 - window, p0 + ext); the previous step's evicted pages may still be pending,
     # so allow one more step's worth of tokens.
     step = min(chunk_size, prompt_len)
-    return min(full, _ceil_div(window - 1 + 2 * step, page_size) + 1)
+    live = _ceil_div(window - 1 + 2 * step, page_size) + 1
+    kept = _ceil_div(keep_window - 1, page_size) + 1 if keep_window is not None else 0
+    return min(full, live + kept)
+
+
+def kept_prompt_pages(keep_window: int | None, page_size: int, prompt_len: int) -> range:
+    """Window pages a request keeps through decode so that the tree receives its prompt with window KV
+    at the prompt's end: those a query at the page-aligned prompt end reads through `keep_window`
+    (the tree's widest window). Empty without a window tree."""
+    if keep_window is None:
+        return range(0)
+    end = prompt_len // page_size
+    return range(max(0, end * page_size - keep_window + 1) // page_size, end)
 
 
 def admission_error(
@@ -67,6 +85,7 @@ def admission_error(
     max_seq_len: int,
     prompt_len: int,
     max_tokens: int,
+    keep_window: int | None = None,
 ) -> str | None:
     """Why a request could never run (too long for the context or the KV pool), or None if it can."""
     if prompt_len + max_tokens > max_seq_len:
@@ -76,7 +95,7 @@ def admission_error(
         )
     total = prompt_len + max_tokens
     for g in groups:
-        need = page_budget(g.window, page_size, chunk_size, total, prompt_len)
+        need = page_budget(g.window, page_size, chunk_size, total, prompt_len, keep_window)
         if need > g.num_pages:
             return (
                 f"prompt of {prompt_len} tokens plus max_tokens={max_tokens} needs {need} KV pages of "
@@ -106,6 +125,10 @@ class KVManager:
             self.window_cache = WindowRadixCache(page_size, self.allocators, [g.window for g in groups])
         elif prefix_cache and len(groups) == 1:
             self.cache = RadixCache(page_size, self.allocators[0])
+        # Requests keep their prompt-end window for the tree (`kept_prompt_pages`); budgets count it.
+        self.keep_window = (
+            max(g.window for g in groups if g.window is not None) if self.window_cache is not None else None
+        )
         self.pending: deque[_Pending] = deque()
         self.outstanding = [0] * len(groups)  # reserved but not yet allocated, over all requests
         self.peak_used = [0] * len(groups)  # most pages held by live requests at once, per group
@@ -121,8 +144,9 @@ class KVManager:
 
     # ---- admission -------------------------------------------------------------------------
     def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
+        window = self.groups[group].window
         return page_budget(
-            self.groups[group].window, self.page_size, self.chunk_size, total_tokens, prompt_len
+            window, self.page_size, self.chunk_size, total_tokens, prompt_len, self.keep_window
         )
 
     def available(self, group: int) -> int:
@@ -134,8 +158,9 @@ class KVManager:
 
     def never_fits(self, prompt_len: int, total_tokens: int) -> str | None:
         """Why a request of this size could never be admitted, or None if it can be."""
+        max_tokens = total_tokens - prompt_len
         return admission_error(
-            self.groups, self.page_size, self.chunk_size, 1 << 62, prompt_len, total_tokens - prompt_len
+            self.groups, self.page_size, self.chunk_size, 1 << 62, prompt_len, max_tokens, self.keep_window
         )
 
     def match_prefix(self, req: Request) -> int:
@@ -242,8 +267,13 @@ class KVManager:
             self.cache.evict(n - allocator.num_free)
         return allocator.alloc(n)
 
+    def _kept(self, req: Request) -> range:
+        return kept_prompt_pages(self.keep_window, self.page_size, req.prompt_len)
+
     def evict_window(self, req: Request, first_query_pos: int, newest_batch: int) -> None:
-        """Give up pages whose every token is outside the window of all queries from now on."""
+        """Give up pages whose every token is outside the window of all queries from now on, apart from
+        the prompt-end window kept for the tree (freed or cached on release)."""
+        kept = self._kept(req)
         for g, info in enumerate(self.groups):
             if info.window is None:
                 continue
@@ -251,7 +281,8 @@ class KVManager:
             upto = min(keep_from // self.page_size, len(req.pages[g]))
             if upto > req.evicted[g]:
                 # Pages of a prefix hit are the tree's (it frees them under its own locks): leave them.
-                pages = req.pages[g][max(req.evicted[g], req.cached_prefix // self.page_size) : upto]
+                lo = max(req.evicted[g], req.cached_prefix // self.page_size)
+                pages = [req.pages[g][i] for i in range(lo, upto) if i not in kept]
                 req.evicted[g] = upto
                 if pages:
                     self.pending.append(_Pending(newest_batch, g, pages, req))
@@ -295,13 +326,20 @@ class KVManager:
         """Hand every whole computed page to the window tree (which frees its duplicates itself); return
         the partial tail pages the caller must still free."""
         whole = min(req.kv_len, len(token_ids)) // self.page_size
+        kept = self._kept(req)
+        mine = req.cached_prefix // self.page_size
         pages = [
-            [MISSING] * min(req.evicted[g], whole) + p[req.evicted[g] : whole]
+            [p[i] if i >= req.evicted[g] or i in kept else MISSING for i in range(whole)]
             for g, p in enumerate(req.pages)
         ]
         if whole:
             cache.insert(cache_key(req, token_ids[: whole * self.page_size]), pages)
-        return [p[max(req.evicted[g], whole) :] for g, p in enumerate(req.pages)]
+        # Kept pages past what the tree took (a request ended inside its prompt) are the caller's too.
+        return [
+            [p[i] for i in kept if mine <= i < min(req.evicted[g], len(p)) and i >= whole]
+            + p[max(req.evicted[g], whole) :]
+            for g, p in enumerate(req.pages)
+        ]
 
     def flush(self, completed_batch: int) -> None:
         """Release pending pages whose readers (batches up to `completed_batch`) have all finished."""

@@ -43,10 +43,17 @@ class RuntimeLimits:
     max_running: int  # requests the scheduler runs at once; more wait in its queue
     max_loras: int = 0  # LoRA adapters one batch may use (GPU slots); 0: LoRA off
     max_lora_rank: int = 0
+    keep_window: int | None = None  # the prompt-end window requests keep for the prefix cache
 
     def admission_error(self, prompt_len: int, max_tokens: int) -> str | None:
         return admission_error(
-            self.groups, self.page_size, self.chunk_size, self.max_seq_len, prompt_len, max_tokens
+            self.groups,
+            self.page_size,
+            self.chunk_size,
+            self.max_seq_len,
+            prompt_len,
+            max_tokens,
+            self.keep_window,
         )
 
 
@@ -179,6 +186,7 @@ class RankRuntime:
             max_running=self.scheduler.config.max_running,
             max_loras=lora.max_loras if (lora := self.engine.config.lora) is not None else 0,
             max_lora_rank=lora.max_lora_rank if lora is not None else 0,
+            keep_window=kv.keep_window,
         )
 
 

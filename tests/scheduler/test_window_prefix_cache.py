@@ -11,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
+from tandem.scheduler.kv_manager import GroupInfo, KVManager, kept_prompt_pages
 from tandem.scheduler.pages import OutOfPages, PageAllocator
+from tandem.scheduler.runtime import RuntimeLimits
 from tandem.scheduler.window_cache import WindowRadixCache
 
 WINDOW = 8
@@ -85,11 +87,10 @@ def test_shared_prefixes_and_repeats_in_one_batch(model_dir: Path) -> None:
     assert_hf_greedy(model_dir, first + prompts, warm_first + warm_second)
 
 
-def test_a_repeated_prompt_hits_while_its_window_is_cached(model_dir: Path) -> None:
-    """A two-token answer leaves the window KV before the prompt's last whole page cached (its window
-    eviction stops short of it): a repeat reuses the prompt up to that page, and `num_cached_tokens`
-    (what usage's cached_tokens reports) says so. A long answer gives that window KV up (see
-    architecture.md), and the repeat recomputes."""
+def test_a_repeated_prompt_hits_after_any_answer(model_dir: Path) -> None:
+    """The request keeps the window KV at its prompt's end through decode (architecture.md), so a repeat
+    reuses the prompt up to its last whole page after a short or a long answer, and `num_cached_tokens`
+    (what usage's cached_tokens reports) says so."""
     llm = LLM(str(model_dir), device="cpu", page_size=PAGE)
     prompt = random_tokens(30, 3, llm.vocab_size)
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -101,8 +102,46 @@ def test_a_repeated_prompt_hits_while_its_window_is_cached(model_dir: Path) -> N
     assert stats["prefix_cache_hit_tokens"] == 28 and stats["prefix_cache_query_tokens"] == 56
     longer = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     other = random_tokens(30, 4, llm.vocab_size)
-    llm.generate([other], longer, use_tqdm=False)
-    assert llm.generate([other], longer, use_tqdm=False)[0].num_cached_tokens == 0
+    long_first = llm.generate([other], longer, use_tqdm=False)[0]
+    long_again = llm.generate([other], longer, use_tqdm=False)[0]
+    assert long_again.num_cached_tokens == 28 and long_again.token_ids == long_first.token_ids
+    assert llm.stats()["kv_pages_used"] == 0
+
+
+def test_a_shared_system_prompt_hits_after_a_long_answer(model_dir: Path) -> None:
+    """A 40-token system prompt (5 windows) with different user suffixes, one request after the other,
+    each answering 12 tokens first: every later one reuses the system prompt's whole pages. The suffixes
+    end inside the page after the system prompt: the kept window is the prompt end's, so a shared prefix
+    hits where its page-aligned end is the prompt's (see architecture.md)."""
+    vocab = LLM(str(model_dir), device="cpu", prefix_cache=False).vocab_size
+    system = random_tokens(40, 5, vocab)
+    prompts = [system + random_tokens(1 + i, 80 + i, vocab) for i in range(3)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for prefix_cache in (True, False):
+        llm = LLM(str(model_dir), device="cpu", page_size=PAGE, chunk_size=16, prefix_cache=prefix_cache)
+        runs.append([llm.generate([p], sp, use_tqdm=False)[0] for p in prompts])
+        assert llm.stats()["kv_pages_used"] == 0
+    warm, cold = runs
+    assert [o.num_cached_tokens for o in warm] == [0, 40, 40]
+    assert [o.num_cached_tokens for o in cold] == [0, 0, 0]
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    assert_hf_greedy(model_dir, prompts, [o.token_ids for o in warm])
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_edge_check_and_the_reservation_both_count_the_kept_window(prefix_cache: bool) -> None:
+    """Prompt 30, 40 new tokens, window 8, pages of 4, chunks of 16: the live window needs 11 pages, the
+    kept prompt-end window 3 more (2 here, budgeted as ceil(7 / 4) + 1) while the tree is on."""
+    assert kept_prompt_pages(WINDOW, PAGE, 30) == range(5, 7)
+    need = 14 if prefix_cache else 11
+    for pool in (need - 1, need):
+        groups = [GroupInfo(0, None, 64), GroupInfo(1, WINDOW, pool)]
+        kv = KVManager(groups, PAGE, prefix_cache=prefix_cache, chunk_size=16)
+        limits = RuntimeLimits(groups, PAGE, 16, 1024, 1000, 4, keep_window=kv.keep_window)
+        assert kv.budget(1, 70, 30) == need
+        edge, reserve = limits.admission_error(30, 40), kv.never_fits(30, 70)
+        assert (edge is None, reserve is None) == (pool == need, pool == need)
 
 
 @pytest.fixture
