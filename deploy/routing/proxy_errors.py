@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from typing import Any
 
 import msgspec
@@ -33,6 +35,7 @@ HEALTH_DEADLINE_S = 0.6
 LOADING_DEADLINE_S = 0.5
 LOADING_MESSAGE = "loading: the model server is starting (no replica is ready yet)"
 _encode = msgspec.json.Encoder().encode
+logger = logging.getLogger(__name__)
 
 
 def proxy_middlewares() -> list[Middleware]:
@@ -67,14 +70,18 @@ class ShapedProxyErrors:
             await self.app(scope, receive, send)
             return
         started = finished = streaming = False
+        # The id Serve gave the request (its response's x-request-id), else the client's, else one of
+        # ours: what a client quotes to find the failure in the server log.
+        request_id = _header(scope.get("headers") or [], b"x-request-id") or uuid.uuid4().hex
         held: list[Message] = []  # a plain-text 5xx of the proxy's own, replaced by the shaped one
         plain_text_error = False
         health = str(scope["path"]).endswith("/health")
 
         async def relay(message: Message) -> None:
-            nonlocal started, finished, streaming, plain_text_error
+            nonlocal started, finished, streaming, plain_text_error, request_id
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers") or [])
+                request_id = headers.get(b"x-request-id", b"").decode("latin-1") or request_id
                 content_type = headers.get(b"content-type", b"")
                 json_body = content_type.startswith(b"application/json")
                 if message["status"] >= 500 and not json_body:
@@ -113,10 +120,15 @@ class ShapedProxyErrors:
         finally:
             # The proxy returned (or raised) without finishing the response: the replica failed.
             with contextlib.suppress(Exception):  # the client may be gone too
+                if not started or (streaming and not finished):
+                    logger.warning(
+                        "request %s to %s: the model server replica failed", request_id, scope["path"]
+                    )
+                where = f"; the server log has the details under request id {request_id}"
                 if not started:
-                    await _send_json(send, _failure("the model server failed before answering"))
+                    await _send_json(send, _failure(f"the model server failed before answering{where}"))
                 elif streaming and not finished:
-                    error = _failure("the model server replica died while serving this request")
+                    error = _failure(f"the model server replica died while serving this request{where}")
                     tail = b"data: " + _encode(error.body()) + b"\n\ndata: [DONE]\n\n"
                     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
@@ -163,6 +175,13 @@ class ShapedProxyErrors:
         finally:
             if call is not None and not call.done():
                 call.cancel()
+
+
+def _header(headers: Any, name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1") or None
+    return None
 
 
 async def _send_json(send: Send, error: OpenAIError) -> None:
