@@ -17,7 +17,7 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.inflight import EngineLike, InFlight
+from tandem.scheduler.inflight import EngineLike, InFlight, InflightPageGuard
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import (
@@ -82,7 +82,7 @@ class Scheduler:
         self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
         self.next_batch_id = 0
         self.last_processed = -1
-        self.inflight_pages: dict[int, set[tuple[int, int]]] = {}
+        self.page_guard = InflightPageGuard(config.guard_inflight_pages)
 
     # ---- messages --------------------------------------------------------------------------
     def handle(self, msg: SchedulerMsg) -> None:
@@ -169,8 +169,7 @@ class Scheduler:
             row.req.last_batch = batch_id
             if row.samples:
                 row.req.device_len += 1
-        if self.config.guard_inflight_pages:
-            self.inflight_pages[batch_id] = self._pages_read(rows)
+        self.page_guard.launched(batch_id, rows)
         return prepared
 
     def _admit(self, rows: list[Row], budget: int, newest_launched: int) -> None:
@@ -228,24 +227,10 @@ class Scheduler:
         if self.has_window:
             self.kv.evict_window(req, start, newest_launched)
         for g, first, new in self.kv.grow(req, start + length):
-            if self.config.guard_inflight_pages:
-                self._check_not_inflight(g, new)
+            self.page_guard.check_new(g, new)
             self.table.set_pages(g, req.slot, first, new)
         samples = start + length - len(drafts) == req.device_len
         return Row(req, start, length, samples, drafts)
-
-    def _pages_read(self, rows: list[Row]) -> set[tuple[int, int]]:
-        return {
-            (g, p) for r in rows for g, pages in enumerate(r.req.pages) for p in pages[r.req.evicted[g] :]
-        }
-
-    def _check_not_inflight(self, group: int, pages: list[int]) -> None:
-        for batch_id, used in self.inflight_pages.items():
-            for page in pages:
-                if (group, page) in used:
-                    raise AssertionError(
-                        f"page {page} of group {group} reused while batch {batch_id} may read it"
-                    )
 
     # ---- launch and results ----------------------------------------------------------------
     def _launch(self, prepared: PreparedBatch, defer_masks: bool = False) -> InFlight:
@@ -349,7 +334,7 @@ class Scheduler:
             self._start_masks(pending)
         batch_id = done.prepared.batch_id
         self.last_processed = batch_id
-        self.inflight_pages.pop(batch_id, None)
+        self.page_guard.processed(batch_id)
         self.kv.flush(batch_id)
         self.results.process(rows, done.output, tokens, done.prepared.prompt_rows)
         if self.spec is not None and done.prepared.spec is not None:
