@@ -122,7 +122,9 @@ class ShapedProxyErrors:
             with contextlib.suppress(Exception):  # the client may be gone too
                 if not started or (streaming and not finished):
                     logger.warning(
-                        "request %s to %s: the model server replica failed", request_id, scope["path"]
+                        "request %s to %s ended unanswered: its replica failed, or its client left",
+                        request_id,
+                        scope["path"],
                     )
                 where = f"; the server log has the details under request id {request_id}"
                 if not started:
