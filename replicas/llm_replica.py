@@ -22,6 +22,7 @@ from tandem.engine.config import ModelConfig, check_expert_split_of
 from tandem.engine.hub import resolve_model_dir
 from tandem.replicas.channel import ReplicaChannel
 from tandem.replicas.chunks import GenerationChunk
+from tandem.replicas.constraint_check import ConstraintCheck
 from tandem.replicas.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tandem.replicas.lora_catalog import LoraCatalog
 from tandem.replicas.rank_group import RankGroup
@@ -44,13 +45,10 @@ from tandem.scheduler.messages import (
 )
 from tandem.scheduler.runtime import RuntimeLimits, RuntimeOptions
 from tandem.scheduler.sampling_params import SamplingParams, to_spec
-from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 logger = logging.getLogger(__name__)
 HEALTH_PERIOD_S = 1.0
 ABORT_SEND_TIMEOUT_S = 1.0
-# A structured-output constraint that takes longer to compile is refused (a 400); its compile runs on.
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 __all__ = ["LLMReplica", "to_spec"]
@@ -92,7 +90,7 @@ class LLMReplica:
         self._problems: list[Problem] = []
         self._draining = False
         self._start_lock = asyncio.Lock()
-        self._grammars: GrammarCache | None = None  # compiles only to validate: the ranks keep their own
+        self._constraints: ConstraintCheck | None = None
         self.catalog: LoraCatalog | None = None  # the adapters served by name, once started
 
     @staticmethod
@@ -203,23 +201,13 @@ class LLMReplica:
             raise ValueError(reason)
 
     async def check_structured(self, sampling: SamplingParams) -> str | None:
-        """Compile the output constraint off the event loop, bounded in time: why it cannot be used, or
-        None. Compiles are cached per distinct constraint."""
+        """Why the request's output constraint cannot be used, or None (see ConstraintCheck)."""
         if sampling.structured_outputs is None:
             return None
         await self.start()
-        if self._grammars is None:
-            tokenizer = self.tokenizer
-            self._grammars = GrammarCache(lambda: hf_tokenizer_info(tokenizer, ()))
-        try:
-            future = self._grammars.compile(sampling.structured_outputs.spec())
-            # shield: a timeout must not cancel the shared compile other requests may be waiting on.
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), GRAMMAR_COMPILE_TIMEOUT_S)
-        except ValueError as exc:
-            return str(exc)
-        except TimeoutError:
-            return f"it took longer than {GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile"
-        return None
+        if self._constraints is None:
+            self._constraints = ConstraintCheck(self.tokenizer)
+        return await self._constraints.problem(sampling)
 
     # ---- LoRA adapters -------------------------------------------------------------------------
     async def add_lora(self, name: str, path: str) -> LoRARequest:
