@@ -15,8 +15,8 @@ same run. Three sections, each its own engines in turn, one at a time in one pro
 
 Each engine's entry names what ran: its layers made FP8 (`fp8_layers`), the FP8 GEMM, and for a mixture
 of experts the bytes an expert weight is held in (`expert_bytes_per_value`: 0.53 for MXFP4, 1 plus its
-scales for FP8, 2 for bf16). Each run merges its sections into `--out`, so the sections may run in
-separate calls:
+scales for FP8, 2 for bf16); `runs` the commit, time and workload of each section. Each run merges
+its sections into `--out`, so the sections may run in separate calls:
 
     python benchmarks/lowbit.py --only gpt_oss_120b --out benchmarks/results/lowbit-h200.json
     python benchmarks/lowbit.py --only qwen3_moe --out benchmarks/results/lowbit-h200.json
@@ -185,8 +185,12 @@ def main(argv: list[str] | None = None) -> Path:
         for key, model in sections(args.tiny)[section].items():
             record[key] = measure(key, model, args, ceilings)
         record.setdefault("ceilings", {})[section] = ceilings
-        record.setdefault("runs", {})[section] = {**run_stamp(), "total_s": time.perf_counter() - started}
-    record["workload"] = {**workload_config(args), "max_running": args.max_running}
+        record.setdefault("runs", {})[section] = {
+            **run_stamp(),
+            "total_s": time.perf_counter() - started,
+            "workload": {**workload_config(args), "max_running": args.max_running},
+            "decode_steps_per_repeat": args.steps,
+        }
     add_ratios(record)
     out: Path = write_record(args.out, "lowbit", record, device=device)
     print(f"\n{out}\n{json.dumps(record['targets'], indent=1)}", flush=True)

@@ -66,6 +66,10 @@ def test_the_sections_run_and_merge_on_cpu(tmp_path: Path) -> None:
     lowbit.main([*common, "--only", "gpt_oss_120b,qwen3_moe"])
     record = json.loads(out.read_text())
     assert set(record["runs"]) == set(record["ceilings"]) == {"gpt_oss_120b", "qwen3_moe", "llama"}
+    assert (
+        record["runs"]["llama"] == first["runs"]["llama"]
+        and first["runs"]["llama"]["workload"]["num_seqs"] == 2
+    )
     assert record["llama_bf16"] == first["llama_bf16"]  # kept from the first call
     big = record["gpt_oss_120b"]
     assert big["weights_gib"] > 0 and big["offline_tok_s"] > 0 and big["decode_b1_ms"] > 0
