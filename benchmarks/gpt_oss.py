@@ -170,7 +170,11 @@ def swa_pcg(model_dir: Path, device: torch.device, requests: int, vocab: int) ->
     pages = pages_for(prompts, [params] * len(prompts))
     rates = {}
     for key, piecewise in (("on_tok_s", True), ("pcg_off_tok_s", False)):
+        start = time.perf_counter()
         llm = dummy_llm(model_dir, device, pages, requests, piecewise_cuda_graph=piecewise)
+        print(
+            f"swa_pcg {key}: engine in {time.perf_counter() - start:.0f} s, {requests} requests", flush=True
+        )
         rates[key] = throughput(llm, prompts, params, device)
         llm.shutdown()
         del llm
@@ -255,7 +259,6 @@ def main() -> None:
         smoke_workload(args)
         args.steps, args.swa_requests = min(args.steps, 5), min(args.swa_requests, 8)
     started = time.perf_counter()
-    ceilings = measure_ceilings(device)
     mxfp4 = args.experts == "mxfp4"
     default_dir = Path(f"/tmp/tandem-bench/{args.preset}-{args.experts}")
     model_dir = write_config(args.model_dir or default_dir, shape, mxfp4=mxfp4)
@@ -272,6 +275,7 @@ def main() -> None:
         "decode_context": CONTEXT,
     }
     if "offline" in parts or "decode" in parts:
+        ceilings = measure_ceilings(device)
         record.update(offline_and_decode(model_dir, args, parts, ceilings), ceilings=ceilings)
     if "swa_pcg" in parts:
         record["swa_pcg"] = swa_pcg(model_dir, device, args.swa_requests, shape["vocab_size"])

@@ -99,6 +99,7 @@ def measure(key: str, model: Model, args: argparse.Namespace, ceilings: dict[str
         args.model_root / key, model.family, model.shape, quantization=model.quantization
     )
     prompts, params = workload(args)
+    print(f"{key}: building the engine", flush=True)
     start = time.perf_counter()
     llm = gpt_oss.dummy_llm(model_dir, device, pages_for(prompts, params), args.max_running)
     engine = llm.runtime.engine
