@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     parser.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
                         help="the experts' checkpoint format (MXFP4 stays 4-bit on CUDA)")  # fmt: skip
+    parser.add_argument("--mxfp4", dest="experts", action="store_const", const="mxfp4",
+                        help="the same as --experts mxfp4, the default (older commands)")  # fmt: skip
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
