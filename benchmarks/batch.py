@@ -33,7 +33,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
-from tandem.benchmarks.offline import add_workload_args, pages_for, workload
+from tandem.benchmarks.offline import add_workload_args, pages_for, workload, workload_config
 from tandem.benchmarks.shapes import QWEN3_0_6B, write_random_model
 
 TARGET = 0.9
@@ -213,12 +213,7 @@ def main() -> None:
             if args.preset != "tiny"
             else "tiny qwen3 (CPU smoke)",
             "model_shape": shape,
-            "num_seqs": args.num_seqs,
-            "input_len": [args.min_input, args.max_input],
-            "output_len": [args.min_output, args.max_output],
-            "temperature": 0.6,
-            "ignore_eos": True,
-            "seed": 0,
+            **workload_config(args),
             "engine": options,
             "processor": {
                 "concurrency": 1,

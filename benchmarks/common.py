@@ -160,21 +160,36 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {key: round(after[key] - before.get(key, 0), 3) for key in after}
 
 
+HEADER = ("benchmark", "device", "commit", "time_utc")
+
+
 def write_result(
     name: str, payload: dict[str, Any], *, device: torch.device, out_dir: Path = RESULTS
 ) -> Path:
     """`<out_dir>/<name>.json`, headed by benchmark name, device, commit and time."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {
-        "benchmark": name,
-        "device": device_info(device),
-        "commit": git_commit(),
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **payload,
-    }
-    path = out_dir / f"{name}.json"
+    return write_record(out_dir / f"{name}.json", name, payload, device=device)
+
+
+def write_record(path: Path, name: str, payload: dict[str, Any], *, device: torch.device) -> Path:
+    """`path`, headed by benchmark `name`, device, commit and time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "device": device_info(device), **run_stamp(), **payload}
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def run_stamp() -> dict[str, str]:
+    """The commit and the time of this run."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"commit": git_commit(), "time_utc": now}
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """An earlier result file's fields without its header ({} when there is none): the parts of a
+    benchmark that run in separate processes (separate device calls) merge into one file."""
+    if not path.is_file():
+        return {}
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in HEADER}
 
 
 def bar_chart(

@@ -3,18 +3,22 @@ other layer a 128-token window, 32 experts top 4 of intermediate 2880, vocabular
 weights drawn on the device (`load_format="dummy"`), against ceilings measured in the same run.
 
 - `offline_tok_s`: nano-vllm's offline workload (benchmarks/offline.py's draws) through `tandem.LLM`.
-- `decode_b1_ms`: the decode step at batch 1 (and 8, 64) under CUDA graphs at 512 tokens of context;
+- `decode_b1_ms`: the decode step at batch 1 (and 8, 64, 256) under CUDA graphs at 512 tokens of context;
   `decode_b1_floor_ms`: the bytes a batch-1 step must read (attention weights and biases, the router, the
-  k experts of its one token in the layout they run in, the LM head, its KV: the window layers only their
-  last `sliding_window` tokens) over the copy bandwidth.
+  k experts of its one token in the layout they are held in, the LM head, its KV: the window layers only
+  their last `sliding_window` tokens) over the copy bandwidth.
 - `swa_pcg`: SGLang's comparison of sliding-window eviction with piecewise CUDA graphs against piecewise
   graphs off: `--swa-requests` gsm8k-like requests at once (prompts of about 200 tokens, answers of 256),
   run both ways in one process: `on_tok_s` and `pcg_off_tok_s`.
 
-`--mxfp4` writes `quantization_config.quant_method: mxfp4` into config.json, so the experts take the
-layout an MXFP4 checkpoint gives them (see docs/serve-config.md); the result names the layout that ran.
+The experts are MXFP4 by default, as the hub's checkpoints ship them (`quantization_config.quant_method:
+mxfp4` in config.json: on CUDA they stay 4-bit, see docs/serve-config.md); `--experts bf16` draws them in
+bf16. `--parts` runs some of the parts; each run merges its fields into the result file, so the parts
+may run in separate processes.
 
-    python benchmarks/gpt_oss.py                              # H200
+    python benchmarks/gpt_oss.py                              # H200: every part
+    python benchmarks/gpt_oss.py --parts offline,decode       # ...or in two calls
+    python benchmarks/gpt_oss.py --parts swa_pcg
     python benchmarks/gpt_oss.py --preset tiny --device cpu   # the same steps on a tiny shape (smoke test)
 """
 
@@ -34,15 +38,17 @@ from tandem.benchmarks.common import (
     RESULTS,
     measure_ceilings,
     print_table,
+    read_record,
     release_memory,
+    run_stamp,
     sync,
-    write_result,
+    write_record,
 )
-from tandem.benchmarks.moe import decode_timings
-from tandem.benchmarks.offline import add_workload_args, pages_for, workload
+from tandem.benchmarks.moe import CONTEXT, decode_timings
+from tandem.benchmarks.offline import add_workload_args, pages_for, smoke_workload, workload, workload_config
+from tandem.benchmarks.shapes import write_dummy_model
 from tandem.engine.config import ModelConfig
 from tandem.engine.moe.experts import MoEExperts
-from tandem.engine.tiny import load_tiny_tokenizer, tiny_config
 
 GPT_OSS_20B: dict[str, Any] = {
     "num_hidden_layers": 24,
@@ -89,22 +95,21 @@ TINY: dict[str, Any] = {
     "vocab_size": 10240,  # the workload's ids go up to 10,000
 }
 PRESETS = {"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B, "tiny": TINY}
-CONTEXT = 512
+MXFP4_CONFIG: dict[str, Any] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+PARTS = ("offline", "decode", "swa_pcg")
 
 
 def write_config(path: Path, shape: dict[str, Any], *, mxfp4: bool) -> Path:
     """config.json and the tiny tokenizer, and no weights: the engine draws them (load_format="dummy")."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config("gpt_oss", **shape)
-    config.architectures = ["GptOssForCausalLM"]
-    config.save_pretrained(path)
-    raw = json.loads((path / "config.json").read_text())
-    raw.pop("quantization_config", None)
-    if mxfp4:
-        raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    load_tiny_tokenizer().save_pretrained(path)
-    return path
+    return write_dummy_model(path, "gpt_oss", shape, quantization=MXFP4_CONFIG if mxfp4 else None)
+
+
+def dummy_llm(
+    model_dir: Path, device: torch.device, num_pages: int, max_running: int, **switches: Any
+) -> LLM:
+    """An `LLM` over `model_dir` with dummy weights drawn on `device` and `num_pages` KV pages of 16."""
+    return LLM(str(model_dir), device=str(device), load_format="dummy", page_size=16, num_pages=num_pages,
+               max_running=max_running, **switches)  # fmt: skip
 
 
 def expert_bytes_per_value(llm: LLM) -> float:
@@ -121,7 +126,8 @@ def expert_bytes_per_value(llm: LLM) -> float:
 
 
 def decode_b1_bytes(c: ModelConfig, context: int, expert_elem: float, elem: int = 2) -> dict[str, float]:
-    """What one batch-1 decode step must read, by part."""
+    """What one batch-1 decode step must read, by part: only the k experts its token chose, at
+    `expert_elem` bytes a weight (MXFP4: 0.5 for the packed values + 1 / 32 for the scales)."""
     assert c.moe is not None
     m, h, d = c.moe, c.hidden_size, c.head_dim
     q, kv = c.num_heads * d, c.num_kv_heads * d
@@ -130,7 +136,7 @@ def decode_b1_bytes(c: ModelConfig, context: int, expert_elem: float, elem: int 
     kv_tokens = sum(min(context, w) if w else context for w in windows)
     parts = {
         "attention_weights": c.num_layers * (attention + 2 * h) * elem,
-        "router": c.num_layers * (m.num_experts + 1) * h * elem,
+        "router": c.num_layers * m.num_experts * (h + 1) * elem,  # weight and bias
         "routed_experts": c.num_layers * m.top_k * (3 * h * m.expert_intermediate_size * expert_elem
                                                     + (2 * m.expert_intermediate_size + h) * elem),
         "lm_head": c.vocab_size * h * elem,
@@ -149,6 +155,7 @@ def gsm8k_like(n: int, vocab: int) -> tuple[list[list[int]], SamplingParams]:
 
 
 def throughput(llm: LLM, prompts: list[list[int]], params: Any, device: torch.device) -> float:
+    """Output tokens per second of one `generate` over every prompt, after a short warm-up."""
     llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # warm
     sync(device)
     start = time.perf_counter()
@@ -163,8 +170,11 @@ def swa_pcg(model_dir: Path, device: torch.device, requests: int, vocab: int) ->
     pages = pages_for(prompts, [params] * len(prompts))
     rates = {}
     for key, piecewise in (("on_tok_s", True), ("pcg_off_tok_s", False)):
-        llm = LLM(str(model_dir), device=str(device), load_format="dummy", page_size=16, num_pages=pages,
-                  max_running=requests, piecewise_cuda_graph=piecewise)  # fmt: skip
+        start = time.perf_counter()
+        llm = dummy_llm(model_dir, device, pages, requests, piecewise_cuda_graph=piecewise)
+        print(
+            f"swa_pcg {key}: engine in {time.perf_counter() - start:.0f} s, {requests} requests", flush=True
+        )
         rates[key] = throughput(llm, prompts, params, device)
         llm.shutdown()
         del llm
@@ -174,13 +184,67 @@ def swa_pcg(model_dir: Path, device: torch.device, requests: int, vocab: int) ->
             "prompt_len": [180, 220], "output_len": 256}  # fmt: skip
 
 
+def offline_and_decode(
+    model_dir: Path, args: argparse.Namespace, parts: list[str], ceilings: dict[str, float]
+) -> dict[str, Any]:
+    """One engine: the offline workload, the decode steps, and the batch-1 floor from this run's copy
+    bandwidth."""
+    device = torch.device(args.device)
+    prompts, params = workload(args)
+    num_pages = max(pages_for(prompts, params), 256 * -(-(CONTEXT + 1) // 16) + 64)  # moe.BATCHES
+    start = time.perf_counter()
+    llm = dummy_llm(model_dir, device, num_pages, args.max_running)
+    engine = llm.runtime.engine
+    out: dict[str, Any] = {
+        "engine_init_s": time.perf_counter() - start,
+        "weights_gib": engine.weight_bytes / 2**30,
+    }
+    print(f"engine in {out['engine_init_s']:.0f} s, weights {out['weights_gib']:.1f} GiB", flush=True)
+    expert_elem = expert_bytes_per_value(llm)
+    if "offline" in parts:
+        out["offline_tok_s"] = throughput(llm, prompts, params, device)
+        print(f"offline: {out['offline_tok_s']:.0f} output tok/s", flush=True)
+    if "decode" in parts:
+        decode = decode_timings(llm, args.steps)
+        floor = decode_b1_bytes(engine.model_config, CONTEXT, expert_elem, engine.config.dtype.itemsize)
+        b1 = next(r["ms"] for r in decode if r["batch"] == 1)
+        floor_ms = floor["total"] / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e3
+        print(f"decode b1 {b1:.3f} ms, floor {floor_ms:.3f} ms ({b1 / floor_ms:.2f}x)", flush=True)
+        out.update(decode_b1_ms=b1, decode_b1_floor_ms=floor_ms, decode_b1_over_floor=b1 / floor_ms,
+                   decode_b1_floor_bytes=floor, decode_ms=decode)  # fmt: skip
+    config = {
+        "expert_bytes_per_value": expert_elem,
+        "num_pages": num_pages,
+        "switches": engine.config.switches(),
+    }
+    llm.shutdown()
+    del llm, engine
+    release_memory()
+    return {**out, "engine": config}
+
+
+def targets(record: dict[str, Any]) -> dict[str, bool | None]:
+    """The issue's targets, None while the parts they need have not run."""
+    b1, floor, swa = record.get("decode_b1_ms"), record.get("decode_b1_floor_ms"), record.get("swa_pcg")
+    return {
+        "decode_b1_ms <= 1.4 x decode_b1_floor_ms": None
+        if b1 is None or floor is None
+        else b1 <= 1.4 * floor,
+        "swa_pcg.on_tok_s / swa_pcg.pcg_off_tok_s >= 1.05": None if swa is None else swa["ratio"] >= 1.05,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="gpt-oss-20b")
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
-    parser.add_argument("--mxfp4", action="store_true", help="config.json says MXFP4 experts")
+    parser.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                        help="the experts' checkpoint format (MXFP4 stays 4-bit on CUDA)")  # fmt: skip
+    parser.add_argument("--mxfp4", dest="experts", action="store_const", const="mxfp4",
+                        help="the same as --experts mxfp4, the default (older commands)")  # fmt: skip
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
     parser.add_argument("--swa-requests", type=int, default=1400)
@@ -188,79 +252,42 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     shape = PRESETS[args.preset]
     device = torch.device(args.device)
-    if args.preset == "tiny" and args.num_seqs == 256:  # the smoke run's workload
-        args.num_seqs, args.max_input, args.max_output, args.min_input, args.min_output = 8, 48, 24, 8, 8
+    if args.preset == "tiny":
+        smoke_workload(args)
         args.steps, args.swa_requests = min(args.steps, 5), min(args.swa_requests, 8)
     started = time.perf_counter()
-    ceilings = measure_ceilings(device)
-    default_dir = Path(f"/tmp/tandem-bench/{args.preset}{'-mxfp4' if args.mxfp4 else ''}")
-    model_dir = write_config(args.model_dir or default_dir, shape, mxfp4=args.mxfp4)
-    prompts, params = workload(args)
-    num_pages = max(pages_for(prompts, params), 256 * -(-(CONTEXT + 1) // 16) + 64)  # moe.BATCHES
-    start = time.perf_counter()
-    llm = LLM(str(model_dir), device=args.device, load_format="dummy", page_size=16, num_pages=num_pages,
-              max_running=args.max_running)  # fmt: skip
-    init_s = time.perf_counter() - start
-    engine = llm.runtime.engine
-    expert_elem = expert_bytes_per_value(llm)
-    offline = throughput(llm, prompts, params, device)
-    print(f"offline: {offline:.0f} output tok/s", flush=True)
-    decode = decode_timings(llm, args.steps)
-    c = engine.model_config
-    floor = decode_b1_bytes(c, CONTEXT, expert_elem)
-    floor_ms = floor["total"] / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e3
-    switches = engine.config.switches()
-    weights_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
-    llm.shutdown()
-    del llm, engine
-    release_memory()
-    swa = swa_pcg(model_dir, device, args.swa_requests, shape["vocab_size"])
-    b1 = next(r["ms"] for r in decode if r["batch"] == 1)
-    full = args.preset == "gpt-oss-20b" and device.type == "cuda"
-    name = "gpt-oss-h200" if full else f"gpt-oss-{args.preset}-{device.type}"
-    payload = {
-        "config": {
-            "model": f"gpt-oss, {args.preset} shape, dummy weights (load_format='dummy')",
-            "model_shape": shape,
-            "mxfp4_config": args.mxfp4,
-            "expert_bytes_per_value": expert_elem,
-            "workload": {
-                "num_seqs": args.num_seqs,
-                "input_len": [args.min_input, args.max_input],
-                "output_len": [args.min_output, args.max_output],
-                "temperature": 0.6,
-                "ignore_eos": True,
-                "seed": 0,
-            },
-            "max_running": args.max_running,
-            "num_pages": num_pages,
-            "decode_context": CONTEXT,
-            "switches": switches,
-        },
-        "ceilings": ceilings,
-        "weights_gib": weights_gib,
-        "offline_tok_s": offline,
-        "decode_b1_ms": b1,
-        "decode_b1_floor_ms": floor_ms,
-        "decode_b1_over_floor": b1 / floor_ms,
-        "decode_b1_floor_bytes": floor,
-        "decode_ms": decode,
-        "swa_pcg": swa,
-        "targets": {
-            "decode_b1_ms <= 1.4 x decode_b1_floor_ms": b1 <= 1.4 * floor_ms,
-            "swa_pcg.on_tok_s / swa_pcg.pcg_off_tok_s >= 1.05": swa["ratio"] >= 1.05,
-        },
-        "engine_init_s": init_s,
-        "total_s": time.perf_counter() - started,
+    mxfp4 = args.experts == "mxfp4"
+    default_dir = Path(f"/tmp/tandem-bench/{args.preset}-{args.experts}")
+    model_dir = write_config(args.model_dir or default_dir, shape, mxfp4=mxfp4)
+    full = args.preset == "gpt-oss-20b" and device.type == "cuda" and mxfp4
+    name = "gpt-oss-h200" if full else f"gpt-oss-{args.preset}-{args.experts}-{device.type}"
+    path = args.out_dir / f"{name}.json"
+    record = read_record(path)
+    record["config"] = {
+        "model": f"gpt-oss, {args.preset} shape, dummy weights (load_format='dummy')",
+        "model_shape": shape,
+        "experts": args.experts,
+        "workload": workload_config(args),
+        "max_running": args.max_running,
+        "decode_context": CONTEXT,
     }
-    path = write_result(name, payload, device=device, out_dir=args.out_dir)
-    print(f"\n{path}")
-    over = b1 / floor_ms
-    print(f"offline {offline:.0f} tok/s; decode b1 {b1:.3f} ms, floor {floor_ms:.3f} ms ({over:.2f}x); "
-          f"swa_pcg {swa['ratio']:.3f}")  # fmt: skip
-    print_table(decode, ["batch", "context", "ms", "cuda_graph"])
+    if "offline" in parts or "decode" in parts:
+        ceilings = measure_ceilings(device)
+        record.update(offline_and_decode(model_dir, args, parts, ceilings), ceilings=ceilings)
+    if "swa_pcg" in parts:
+        record["swa_pcg"] = swa_pcg(model_dir, device, args.swa_requests, shape["vocab_size"])
+    record["targets"] = targets(record)
+    record.setdefault("runs", {}).update({part: {**run_stamp(), "total_s": time.perf_counter() - started}
+                                          for part in parts})  # fmt: skip
+    write_record(path, name, record, device=device)
+    print(f"\n{path}\n{json.dumps(record['targets'])}")
+    if "decode_ms" in record:
+        print_table(record["decode_ms"], ["batch", "context", "ms", "cuda_graph"])
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from tandem import LLM, LoRARequest, SamplingParams
 from tandem.benchmarks.common import RESULTS, release_memory, sync, write_result
 from tandem.benchmarks.engine_steps import decode_batch, seconds_per_step
 from tandem.benchmarks.offline import pages_for, workload
-from tandem.benchmarks.shapes import LLAMA_3_1_8B, write_random_model
+from tandem.benchmarks.shapes import LLAMA_3_1_8B, write_dummy_model, write_random_model
 
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {
@@ -132,21 +132,6 @@ def engine_options(args: argparse.Namespace, num_pages: int) -> dict[str, Any]:
     }
 
 
-def write_config_only(path: Path, family: str, shape: dict[str, Any]) -> Path:
-    """config.json and the tiny tokenizer: what `load_format="dummy"` and the adapters' shapes need."""
-    from transformers import AutoModelForCausalLM
-
-    from tandem.engine.tiny import load_tiny_tokenizer, tiny_config
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(family, **shape)
-    with torch.device("meta"):
-        config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
-    config.save_pretrained(path)
-    load_tiny_tokenizer().save_pretrained(path)
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -176,7 +161,7 @@ def main() -> None:
         model_dir = model_dir.with_name(f"{model_dir.name}-{args.layers}l")
     start = time.perf_counter()
     if args.load_format == "dummy":  # config and tokenizer only: both engines draw the weights on the device
-        model_dir = write_config_only(model_dir.with_name(model_dir.name + "-dummy"), "llama", shape)
+        model_dir = write_dummy_model(model_dir.with_name(model_dir.name + "-dummy"), "llama", shape)
     else:
         model_dir = write_random_model(model_dir, "llama", device=device, **shape)
     paths = adapters(

@@ -34,9 +34,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.common import RESULTS, graph_us, measure_ceilings, print_table, sync, write_result
 from tandem.benchmarks.engine_steps import decode_batch, seconds_per_step
-from tandem.benchmarks.offline import add_workload_args, pages_for, workload
+from tandem.benchmarks.offline import add_workload_args, pages_for, smoke_workload, workload, workload_config
+from tandem.benchmarks.shapes import write_dummy_model
 from tandem.engine.config import ModelConfig
-from tandem.engine.tiny import load_tiny_tokenizer, tiny_config
 
 QWEN3_30B_A3B: dict[str, Any] = {
     "num_hidden_layers": 48,
@@ -74,16 +74,6 @@ BATCHES = (1, 8, 64, 256)
 # (BM, BN, BK, warps, stages) the batch-256 GEMMs are also timed with; the up GEMM takes a stage less.
 SWEEP = ((16, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 3), (32, 64, 256, 8, 3))
 CONTEXT = 512
-
-
-def write_config(path: Path, shape: dict[str, Any]) -> Path:
-    """config.json and the tiny tokenizer, and no weights: the engine draws them (load_format="dummy")."""
-    path.mkdir(parents=True, exist_ok=True)
-    config = tiny_config("qwen3_moe", **shape)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    config.save_pretrained(path)
-    load_tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def decode_b1_bytes(c: ModelConfig, context: int, elem: int = 2) -> dict[str, int]:
@@ -224,11 +214,12 @@ def layer_timing(llm: LLM, ceilings: dict[str, float], batch: int) -> dict[str, 
             "per_step_ms": us * c.num_layers / 1e3}  # fmt: skip
 
 
-def decode_timings(llm: LLM, steps: int) -> list[dict[str, Any]]:
+def decode_timings(llm: LLM, steps: int, batches: tuple[int, ...] = BATCHES) -> list[dict[str, Any]]:
+    """ms per decode step of `llm`'s engine at each batch size, every row at CONTEXT tokens."""
     engine = llm.runtime.engine
     graphs = engine.decode_graphs
     rows = []
-    for batch_size in BATCHES:
+    for batch_size in batches:
         batch = decode_batch(engine, [CONTEXT] * batch_size)
         in_graph = graphs is not None and graphs.padded_size(batch) is not None
         ms = seconds_per_step(engine, batch, steps=steps) * 1e3
@@ -253,12 +244,13 @@ def main() -> None:
     args = parser.parse_args()
     shape = PRESETS[args.preset]
     device = torch.device(args.device)
-    if args.preset == "tiny" and args.num_seqs == 256:  # the smoke run's workload
-        args.num_seqs, args.max_input, args.max_output, args.min_input, args.min_output = 8, 48, 24, 8, 8
+    if args.preset == "tiny":
+        smoke_workload(args)
         args.steps = min(args.steps, 5)
     started = time.perf_counter()
     ceilings = measure_ceilings(device)
-    model_dir = write_config(args.model_dir or Path(f"/tmp/tandem-bench/moe-{args.preset}"), shape)
+    model_dir = args.model_dir or Path(f"/tmp/tandem-bench/moe-{args.preset}")
+    write_dummy_model(model_dir, "qwen3_moe", shape)
     prompts, params = workload(args)
     # Room for the workload at once, and for the largest decode batch's rows at CONTEXT.
     num_pages = max(pages_for(prompts, params), max(BATCHES) * -(-(CONTEXT + 1) // 16) + 64)
@@ -291,14 +283,7 @@ def main() -> None:
         "config": {
             "model": f"Qwen3-MoE, {args.preset} shape, dummy bf16 weights (load_format='dummy')",
             "model_shape": shape,
-            "workload": {
-                "num_seqs": args.num_seqs,
-                "input_len": [args.min_input, args.max_input],
-                "output_len": [args.min_output, args.max_output],
-                "temperature": 0.6,
-                "ignore_eos": True,
-                "seed": 0,
-            },
+            "workload": workload_config(args),
             "max_running": args.max_running,
             "chunk_size": args.chunk_size,
             "num_pages": num_pages,

@@ -63,6 +63,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=1024)
 
 
+def smoke_workload(args: argparse.Namespace) -> None:
+    """A tiny shape's CPU smoke run: 8 short sequences, unless the command line set another size."""
+    if args.num_seqs == 256:
+        args.num_seqs, args.max_input, args.max_output, args.min_input, args.min_output = 8, 48, 24, 8, 8
+
+
 def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py draws, in its order: every prompt first, then every output length (133,966
     output tokens at the defaults). Its ids come from randint(0, 10000), which includes 10000 (12 of the
@@ -81,6 +87,18 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[SamplingPa
         for _ in range(args.num_seqs)
     ]
     return prompts, params
+
+
+def workload_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's description for a result file."""
+    return {
+        "num_seqs": args.num_seqs,
+        "input_len": [args.min_input, args.max_input],
+        "output_len": [args.min_output, args.max_output],
+        "temperature": 0.6,
+        "ignore_eos": True,
+        "seed": 0,
+    }
 
 
 def pages_for(prompts: list[list[int]], params: list[SamplingParams], page_size: int = 16) -> int:

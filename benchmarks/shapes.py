@@ -105,6 +105,25 @@ def write_random_model(
     return path
 
 
+def write_dummy_model(
+    path: Path, family: str, shape: dict[str, Any], *, quantization: dict[str, Any] | None = None
+) -> Path:
+    """config.json and the tiny tokenizer, and no weights: the engine draws them (`load_format="dummy"`),
+    in the format `quantization` (a checkpoint's `quantization_config`) names: FP8 blocks, MXFP4 experts."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, **shape)
+    with torch.device("meta"):  # the architecture's class name; no memory
+        config.architectures = [type(AutoModelForCausalLM.from_config(config)).__name__]
+    config.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    if quantization is not None:
+        raw["quantization_config"] = quantization
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    load_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """Bytes and FLOPs of one forward step, from the architecture alone (bf16 weights and KV)."""
