@@ -15,6 +15,7 @@ Best effort: if this flashinfer's internals differ, the kernels still build lazi
 
     python scripts/prebuild_kernels.py            # what tests/gpu and the benchmarks use
     python scripts/prebuild_kernels.py --softcap  # plus Gemma 2's soft-capped variants
+    python scripts/prebuild_kernels.py --gpt-oss  # plus gpt-oss's head_dim-64 variants
     python scripts/prebuild_kernels.py --fp8      # plus the block-scaled FP8 GEMM (about 2 min alone)
 """
 
@@ -33,6 +34,7 @@ import torch
 # (head_dim, sliding window, soft-cap): Qwen3/Llama shapes; Gemma 3's global and local layers.
 VARIANTS = [(128, False, False), (256, False, False), (256, True, False)]
 SOFTCAP_VARIANTS = [(128, False, True), (128, True, True)]  # Gemma 2 shapes in tests/gpu
+GPT_OSS_VARIANTS = [(64, False, False), (64, True, False)]  # gpt-oss's full and 128-token window layers
 
 
 def main() -> int:
@@ -40,9 +42,10 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--softcap", action="store_true", help="also build the soft-capped variants")
+    parser.add_argument("--gpt-oss", action="store_true", help="also build gpt-oss's head_dim-64 variants")
     parser.add_argument("--fp8", action="store_true", help="also build the FP8 GEMM of fp8_linear.py")
     args = parser.parse_args()
-    variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
+    variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else []) + (GPT_OSS_VARIANTS if args.gpt_oss else [])
     try:
         from flashinfer.jit.activation import gen_act_and_mul_module
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
