@@ -45,7 +45,8 @@ def main() -> int:
     parser.add_argument("--gpt-oss", action="store_true", help="also build gpt-oss's head_dim-64 variants")
     parser.add_argument("--fp8", action="store_true", help="also build the FP8 GEMM of fp8_linear.py")
     args = parser.parse_args()
-    variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else []) + (GPT_OSS_VARIANTS if args.gpt_oss else [])
+    variants = VARIANTS + (SOFTCAP_VARIANTS if args.softcap else [])
+    variants += GPT_OSS_VARIANTS if args.gpt_oss else []
     try:
         from flashinfer.jit.activation import gen_act_and_mul_module
         from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
