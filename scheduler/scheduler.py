@@ -13,9 +13,8 @@ from typing import Any
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.inflight import EngineLike, InFlight, InflightPageGuard
+from tandem.scheduler.inflight import EngineLike, InFlight, InflightPageGuard, Launcher
 from tandem.scheduler.kv_manager import KVManager
-from tandem.scheduler.launcher import Launcher
 from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import (
     AbortRequest,
