@@ -4,6 +4,7 @@ a request's rows plain while the others in the same batches draft; output stays 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,3 +62,34 @@ def test_the_body_field_reaches_sampling_params() -> None:
         CompletionRequest.model_validate({"prompt": "x", "speculative": "maybe"})
     with pytest.raises(ValueError, match="speculative must be a bool"):
         SamplingParams(speculative=1).validate()  # type: ignore[arg-type]
+
+
+def test_overlap_cadence_of_drafted_and_plain_rows_in_one_batch(recited) -> None:  # type: ignore[no-untyped-def]
+    """The loop as built (docs/architecture.md, speculative decoding): a plain row is in every batch; a
+    request whose drafted row is in batch N sits out N + 1 only (its accept count reaches the host when N
+    is processed) and is back in N + 2, never later."""
+    model_dir, prompts, ref = recited
+    draft = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(model_dir), device="cpu", speculative_config=draft)
+    builder = llm.runtime.scheduler.builder
+    build = builder.build
+    batches: list[dict[int, int]] = []  # per batch: rid -> drafts in its row
+
+    def spy(batch_id: int, rows: list[Any]) -> Any:
+        batches.append({row.req.rid: len(row.drafts) for row in rows})
+        return build(batch_id, rows)
+
+    builder.build = spy  # type: ignore[method-assign]
+    off = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative=False)
+    on = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, [off, on], use_tqdm=False)
+    llm.shutdown()
+    assert [o.token_ids for o in outs] == ref
+    plain_rid, drafted_rid = sorted({rid for b in batches for rid in b})  # admitted in prompt order
+    in_plain = [i for i, b in enumerate(batches) if plain_rid in b]
+    assert in_plain == list(range(in_plain[0], in_plain[-1] + 1))  # every step, never skipped
+    assert all(batches[i][plain_rid] == 0 for i in in_plain)
+    drafted_at = [i for i, b in enumerate(batches) if b.get(drafted_rid, 0) > 0]
+    assert drafted_at, "the draft model drafts for the request that kept speculation on"
+    for i in drafted_at[:-1]:
+        assert drafted_rid not in batches[i + 1] and drafted_rid in batches[i + 2], (i, batches)
