@@ -37,6 +37,7 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), bias already capped to +-100
     grammar: GrammarSpec | None = None
     prompt_logprobs: int | None = None  # top alternatives per prompt token; None: no prompt log-probs
+    speculative: bool = True  # False: this request never drafts (engine speculation stays on for others)
 
 
 class LoRARequest(msgspec.Struct, frozen=True):

@@ -85,6 +85,9 @@ class SamplingParams:
     # this many top alternatives at each position. Such requests skip the prefix cache (a cached prefix
     # has no logits), as in vLLM.
     prompt_logprobs: int | None = None
+    # With the engine's `speculative_config`: False keeps this request's rows plain (no drafts), e.g. for
+    # a latency-critical request in a batch where drafting only costs. Without speculation it does nothing.
+    speculative: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field and its allowed range."""
@@ -107,6 +110,7 @@ class SamplingParams:
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed must be an int"),
+            (isinstance(self.speculative, bool), "speculative must be a bool"),
             (
                 isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                 "min_tokens must be an int in [0, max_tokens]",

@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-import torch
-
-from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.batch_builder import BatchBuilder, PreparedBatch, Row
 from tandem.scheduler.config import SchedulerConfig
-from tandem.scheduler.inflight import EngineLike, InFlight, InflightPageGuard
+from tandem.scheduler.inflight import EngineLike, InFlight, InflightPageGuard, Launcher
 from tandem.scheduler.kv_manager import KVManager
 from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.messages import (
@@ -31,9 +27,8 @@ from tandem.scheduler.messages import (
 from tandem.scheduler.request import Request
 from tandem.scheduler.results import ResultProcessor
 from tandem.scheduler.spec.decoding import SpecDecoding
-from tandem.scheduler.spec.staging import output_index
 from tandem.scheduler.step_timer import StepTimer
-from tandem.scheduler.structured.grammar import BitmaskFiller, GrammarCache, GrammarState
+from tandem.scheduler.structured.grammar import GrammarCache, GrammarState
 from tandem.scheduler.table import RequestTable
 
 MessageSource = Callable[[bool], list[SchedulerMsg]]
@@ -72,11 +67,11 @@ class Scheduler:
         )
         self.grammars = grammars
         self.lora = lora
-        self._bitmasks: BitmaskFiller | None = None  # made with the first constrained batch
         self._planned: PreparedBatch | None = None  # the overlap loop's next batch, when planned early
         self.has_window = any(g.window is not None for g in kv.groups)
         # Window groups reserve pages for one step of prefill length; drafted rows are off there for now.
         self.spec = spec if not self.has_window else None
+        self.launcher = Launcher(engine, self.table, streams, self.spec)
         self.waiting: dict[int, Request] = {}
         self.running: dict[int, Request] = {}
         self.results = ResultProcessor(config.max_seq_len, eos_token_ids, emit)
@@ -233,95 +228,6 @@ class Scheduler:
         return Row(req, start, length, samples, drafts)
 
     # ---- launch and results ----------------------------------------------------------------
-    def _launch(self, prepared: PreparedBatch, defer_masks: bool = False) -> InFlight:
-        """Start the batch on the engine. A batch with structured-output rows only runs its forward here
-        when `defer_masks` (the overlap loop: their previous tokens are not accepted yet); `_sample`
-        finishes it once they are."""
-        pool = self.table.token_pool
-        if prepared.spec is not None:  # the drafts are inputs, and the penalties' history, of their rows
-            assert self.spec is not None
-            prepared = replace(prepared, spec=self.spec.prepare(prepared.spec, pool))
-        spec = prepared.spec
-        # index_select and index_copy_ rather than tensor indexing: the same kernels' work for a fraction
-        # of the host time, which a small model's step is made of.
-        input_ids = pool.index_select(0, prepared.input_mapping)
-        sampling = prepared.sampling
-        if prepared.history_index is not None:
-            index = prepared.history_index
-            history = torch.where(index >= 0, pool[index], torch.full_like(index, -1))
-            sampling = replace(sampling, history=history)
-        batch = ForwardBatch(
-            input_ids=input_ids,
-            positions=prepared.positions,
-            seq_lens=prepared.seq_lens,
-            extend_lens=prepared.extend_lens,
-            seq_lens_cpu=prepared.seq_lens_cpu,
-            extend_lens_cpu=prepared.extend_lens_cpu,
-            groups=prepared.groups,
-            sampling=sampling,
-            is_decode=prepared.is_decode,
-            lora_slots_cpu=prepared.lora_slots_cpu,
-            prompt_logprobs=prepared.prompt_logprobs,
-            spec=None if spec is None else spec.engine,
-        )
-        if self.spec is not None:
-            self.spec.follow(batch)
-        rows = prepared.rows
-        grammar_rows = [i for i, row in enumerate(rows) if row.samples and row.req.grammar is not None]
-        if not grammar_rows:
-            output = self.engine.forward(batch)
-            self._store(prepared, output)
-            return InFlight(prepared, output)
-        flight = InFlight(prepared, None, batch.sampling, self.engine.step_logits(batch), grammar_rows)
-        if not defer_masks:
-            self._sample(flight)
-        return flight
-
-    def _start_masks(self, flight: InFlight) -> None:
-        """Start filling the bitmasks of a batch launched with its sample pending. Every earlier batch's
-        tokens have been accepted by now, so each matcher is where this step's token is drawn."""
-        assert flight.grammar_rows is not None
-        rows = flight.prepared.rows
-        states = [state for i in flight.grammar_rows if (state := rows[i].req.grammar) is not None]
-        if self._bitmasks is None:
-            self._bitmasks = BitmaskFiller(pin=self.device.type == "cuda")
-        flight.bitmask = self._bitmasks.start(states)
-
-    def _sample(self, flight: InFlight) -> None:
-        """Mask, sample and store the tokens of a batch launched with its sample pending."""
-        assert flight.sampling is not None and flight.logits is not None and flight.grammar_rows is not None
-        if flight.bitmask is None:
-            self._start_masks(flight)
-        assert flight.bitmask is not None and self._bitmasks is not None
-        grammars = [flight.prepared.rows[i].req.grammar for i in flight.grammar_rows]
-        vocab = max(g.vocab_size for g in grammars if g is not None)  # one tokenizer: all alike
-        # The masks go up on the copy stream: queued on the engine stream, the copy would wait for the
-        # forward still running there and then hold up the sample; on its own stream it overlaps them.
-        mask_rows = flight.grammar_rows
-        if flight.prepared.spec is not None:  # a batch with drafts samples per scored position
-            mask_rows = [flight.prepared.spec.sample_of_row[i] for i in mask_rows]
-        with self.streams.use(self.streams.copy):
-            bitmask, index = self._bitmasks.upload(flight.bitmask.result(), mask_rows, self.device)
-            self.streams.hand_over((bitmask, index), to=self.streams.engine)
-        sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
-        spec = flight.prepared.spec
-        flight.output = self.engine.sample(
-            flight.logits.logits, sampling, flight.logits.prompt, None if spec is None else spec.engine
-        )
-        self._store(flight.prepared, flight.output)
-        flight.sampling = flight.logits = flight.bitmask = None
-
-    def _store(self, prepared: PreparedBatch, output: ForwardOutput) -> None:
-        """Write the batch's tokens into the token pool, on the device: with drafts, each row's emitted
-        tokens only (the accept counts never leave the device here)."""
-        pool = self.table.token_pool
-        if prepared.spec is None:
-            pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
-            return
-        assert output.accepted is not None
-        index = output_index(prepared.spec, output.accepted, self.table.spare)
-        pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
-
     def _process(self, done: InFlight, pending: InFlight | None = None) -> None:
         """Process a finished batch. `pending`, a launched batch whose constrained rows wait for their
         masks: those are filled on the filler's worker while this batch's results are processed."""
@@ -331,7 +237,7 @@ class Scheduler:
         rows = done.prepared.rows
         tokens = self.results.accept_constrained(rows, done.output, done.grammar_rows)
         if pending is not None:
-            self._start_masks(pending)
+            self.launcher.start_masks(pending)
         batch_id = done.prepared.batch_id
         self.last_processed = batch_id
         self.page_guard.processed(batch_id)
@@ -363,7 +269,7 @@ class Scheduler:
             prepared = self._schedule()
         if prepared is not None:
             with self.timer.phase("launch"):
-                done = self._launch(prepared)
+                done = self.launcher.launch(prepared)
             with self.timer.phase("process_results"):
                 self._process(done)
 
@@ -381,7 +287,7 @@ class Scheduler:
             with self.streams.use(self.streams.engine), self.timer.phase("launch"):
                 self.streams.wait(self.streams.engine, on=self.streams.scheduler)
                 assert self.streams.is_current(self.streams.engine)
-                ongoing = self._launch(prepared, defer_masks=True)
+                ongoing = self.launcher.launch(prepared, defer_masks=True)
         pending = ongoing if ongoing is not None and ongoing.output is None else None
         if last is not None:
             with self.timer.phase("process_results"):
@@ -398,7 +304,7 @@ class Scheduler:
                 with self.timer.phase("mask_wait"):  # the fill's time past the rest of the step's host work
                     pending.bitmask.result()
             with self.streams.use(self.streams.engine), self.timer.phase("masked_sample"):
-                self._sample(pending)
+                self.launcher.sample(pending)
         return ongoing
 
     def stats(self) -> dict[str, Any]:

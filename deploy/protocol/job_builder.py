@@ -44,6 +44,7 @@ def sampling_params(
         logit_bias=logit_bias(req),
         structured_outputs=structured,
         prompt_logprobs=prompt_logprobs,
+        speculative=req.speculative,
     )
     try:
         params.validate()  # pydantic already checked the ranges; this keeps both in step

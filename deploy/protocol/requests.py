@@ -109,6 +109,12 @@ class SamplingFields(StructuredFields):
     user: str | None = Field(default=None, description="End-user id; accepted and ignored.")
     prompt_cache_key: str | None = Field(default=None, description="OpenAI's cache hint; accepted, ignored.")
     safety_identifier: str | None = Field(default=None, description="End-user id; accepted and ignored.")
+    # tandem's own field (neither OpenAI's nor vLLM's, which has no per-request switch): the one extra
+    # body key a client sends to keep its request out of speculative decoding.
+    speculative: bool = Field(
+        default=True,
+        description="With the server's speculative_config: false decodes this request without drafts.",
+    )
 
     @property
     def include_usage(self) -> bool:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -301,6 +302,9 @@ class LLMServer:
                 if self._lora_metrics is not None:
                     self._lora_metrics.sample(stats, held=len(self._replica.loras()))
                 self._spec_metrics.sample(stats)
+                line = self._spec_metrics.console_line(stats, time.monotonic())
+                if line is not None:  # stdout: Ray forwards it to the `tandem serve` console at any level
+                    print(line, flush=True)
                 self._replica_metrics.sample(self._admission.running, self._admission.waiting, stats)
             except asyncio.CancelledError:
                 raise

@@ -6,7 +6,8 @@ row is in flight gets no row in the next batch (its `kv_len` runs ahead of `devi
 the schedule already skips). Drafts are looked up from tokens the host has: in the overlap loop a
 request whose last step is still in flight is skipped once, so its next step has them all; a lookup that
 finds nothing leaves the request plain for a few steps (`MISS_BACKOFF`), never waiting on the host.
-Requests with a grammar never draft (their masks follow their tokens one at a time).
+Requests with a grammar never draft (their masks follow their tokens one at a time), nor do requests
+that turned speculation off (`SamplingParams.speculative=False`, the `speculative: false` body field).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class SpecDecoding:
 
     def drafts(self, req: Request) -> tuple[int, ...] | None:
         """The drafts of `req`'s next decode row: empty for a plain row, None to skip it this step."""
-        if req.grammar is not None:
+        if req.grammar is not None or not req.sampling.speculative:
             return ()
         total = min(req.prompt_len + req.sampling.max_tokens, self.max_seq_len)
         # Every emitted token (k drafts and the bonus) must fit before the request's end.

@@ -1,5 +1,6 @@
 """Speculative decoding at TP 2 over gloo: both ranks draft, verify and accept alike, and the tokens are
-HF's (greedy) and TP 1 without drafts' (seeded sampling)."""
+HF's (greedy) and TP 1 without drafts' (seeded sampling); a request that turned speculation off rides in
+the same batches as plain rows."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def test_tp2_with_drafts_matches_hf_and_tp1(spec: dict[str, Any]) -> None:
         AddRequest(i, p, SamplingSpec(max_tokens=24, temperature=t, seed=50 + i, ignore_eos=t > 0))
         for i, (p, t) in enumerate(zip(prompts, [0.0, 0.9, 0.0], strict=True))
     ]
+    prompts.append(passage[:40] + passage[:12])  # would draft, but turned speculation off
+    requests.append(
+        AddRequest(3, prompts[3], SamplingSpec(max_tokens=24, temperature=0.0, speculative=False))
+    )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -77,7 +82,7 @@ def test_tp2_with_drafts_matches_hf_and_tp1(spec: dict[str, Any]) -> None:
     plain, _ = _run(str(model_dir), 0, 1, 0, requests, None)
     assert tokens0 == plain
     hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    for i in (0, 2):
+    for i in (0, 2, 3):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompts[i]]), max_new_tokens=24, do_sample=False)[0]
         assert tokens0[i] == ref[len(prompts[i]) :].tolist()

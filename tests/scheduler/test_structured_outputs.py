@@ -97,7 +97,8 @@ def test_overlap_loop_fills_masks_before_processing_the_previous_batch(
     scheduler = llm.runtime.scheduler
     behind: list[int] = []  # per mask fill: its batch id less the last processed batch's
     planned: list[int | None] = []  # per masked sample: the id of the batch planned before it, if any
-    start_masks, sample = scheduler._start_masks, scheduler._sample
+    launcher = scheduler.launcher
+    start_masks, sample = launcher.start_masks, launcher.sample
 
     def recording_start(flight: Any) -> None:
         behind.append(flight.prepared.batch_id - scheduler.last_processed)
@@ -108,8 +109,8 @@ def test_overlap_loop_fills_masks_before_processing_the_previous_batch(
         planned.append(None if early is None else early.batch_id - flight.prepared.batch_id)
         sample(flight)
 
-    monkeypatch.setattr(scheduler, "_start_masks", recording_start)
-    monkeypatch.setattr(scheduler, "_sample", recording_sample)
+    monkeypatch.setattr(launcher, "start_masks", recording_start)
+    monkeypatch.setattr(launcher, "sample", recording_sample)
     outs = llm.generate(["a poem about the sea"] * 2, [_schema_params(s) for s in range(2)], use_tqdm=False)
     assert all(o.finish_reason == "stop" for o in outs)
     assert len(behind) >= min(len(o.token_ids) for o in outs)

@@ -66,3 +66,31 @@ def test_stats_over_replicas_sum_the_accepts_and_recompute_the_mean() -> None:
     total = aggregate_stats([one, two])
     assert total["spec_decode_num_accepted_tokens_per_pos"] == [2, 1, 1]
     assert total["spec_decode_mean_acceptance_length"] == 1.0 + 4 / 8
+
+
+def test_the_console_line_says_the_interval_mean_acceptance_length() -> None:
+    from tandem.deploy.observability.spec_metrics import LOG_INTERVAL_S, acceptance_line
+
+    sink = SpecMetrics("m")
+    first = {
+        "spec_decode_num_drafts": 4,
+        "spec_decode_num_draft_tokens": 12,
+        "spec_decode_num_accepted_tokens": 2,
+        "spec_decode_num_accepted_tokens_per_pos": [2, 0, 0],
+    }
+    later = {
+        "spec_decode_num_drafts": 14,
+        "spec_decode_num_draft_tokens": 42,
+        "spec_decode_num_accepted_tokens": 22,
+        "spec_decode_num_accepted_tokens_per_pos": [10, 8, 4],
+    }
+    assert sink.console_line({"num_running": 0}, 0.0) is None  # no speculation: no line, ever
+    assert sink.console_line(first, 0.0) is None  # the first snapshot starts the interval
+    assert sink.console_line(later, LOG_INTERVAL_S / 2) is None  # too soon
+    line = sink.console_line(later, LOG_INTERVAL_S)
+    # Over the interval: 10 drafted rows, 20 of 30 draft tokens accepted, so 3.00 tokens per row.
+    assert line is not None and "mean acceptance length 3.00" in line
+    assert "accepted 20 of 30 draft tokens (66.7%)" in line and "rate 0.80, 0.80, 0.40" in line
+    assert sink.console_line(later, 3 * LOG_INTERVAL_S) is None  # nothing verified since
+    since_start = acceptance_line(later, {})  # 14 rows, 22 accepted: 1 + 22 / 14
+    assert since_start is not None and "mean acceptance length 2.57" in since_start
