@@ -98,11 +98,12 @@ class Fp8Checkpoint:
     def expert_block(self, device: torch.device, *, triton: bool) -> tuple[int, int] | None:
         """The block in which MoE experts stay FP8 in memory: on CUDA with the Triton MoE kernels, which
         read FP8 weights and scale each block themselves (moe/triton_fp8.py), for block-scaled
-        checkpoints of a block they take (its columns a power of two of at least 16). None: the experts
-        are dequantized at load (CPU: the torch path computes on exactly HF's values)."""
+        checkpoints of a block they take (its columns a power of two of at least 16), on GPUs whose
+        Triton converts FP8 in registers (compute capability 8.9 on). None: the experts are dequantized
+        at load (CPU: the torch path computes on exactly HF's values)."""
         if self.block is None or device.type != "cuda" or not triton or not fp8_block_fits(self.block):
             return None
-        return self.block
+        return self.block if torch.cuda.get_device_capability(device) >= (8, 9) else None
 
     def scale_name(self, weight_name: str) -> str:
         return weight_name.removesuffix("weight") + self.scale_suffix

@@ -117,10 +117,15 @@ def test_dummy_weights_draw_the_fp8_layout(fp8_moe: dict[str, Any]) -> None:
         llm.shutdown()
 
 
-def test_experts_stay_fp8_only_where_the_kernels_read_them() -> None:
+def test_experts_stay_fp8_only_where_the_kernels_read_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     block = Fp8Checkpoint.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert block is not None
     assert block.expert_block(torch.device("cuda"), triton=True) == (128, 128)
+    capability[0] = (8, 0)  # Ampere: Triton has no FP8 conversion there
+    assert block.expert_block(torch.device("cuda"), triton=True) is None
+    capability[0] = (9, 0)
     assert block.expert_block(torch.device("cuda"), triton=False) is None
     assert block.expert_block(torch.device("cpu"), triton=True) is None
     odd = Fp8Checkpoint.from_config({"quant_method": "fp8", "weight_block_size": [128, 96]})
