@@ -49,14 +49,17 @@ def fp8_experts(
     experts: int, rows: int, cols: int, g: torch.Generator, *, stacked: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`experts` weights of `stacked` [rows, cols] projections each (gate then up: 2), quantized per
-    128 x 128 block, rows of different ranges: FP8 [E, stacked rows, cols], their scales stacked the same
+    128 x 128 block: FP8 [E, stacked rows, cols], their scales stacked the same
     way, and the dequantized float32 weights."""
     weights, scales, dense = [], [], []
     for _ in range(experts):
         parts = []
         for _ in range(stacked):
-            w = torch.randn(rows, cols, generator=g, device=DEVICE) / cols**0.5
-            parts.append(quantize_blocks(w * torch.rand(rows, 1, generator=g, device=DEVICE) * 2, BLOCK))
+            # Blocks of ranges a power of two apart, so a wrong block's scale shows.
+            ranges = 2.0 ** torch.randint(-2, 3, (rows // 128, cols // 128), generator=g, device=DEVICE)
+            spread = ranges.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            w = torch.randn(rows, cols, generator=g, device=DEVICE) * spread / cols**0.5
+            parts.append(quantize_blocks(w, BLOCK))
         weights.append(torch.cat([p[0] for p in parts]))
         scales.append(torch.cat([p[1] for p in parts]))
         dense.append(torch.cat([WeightScales(s, BLOCK).dequantize(w) for w, s in parts]))

@@ -1,9 +1,9 @@
 """The fused MoE kernels' FP8 option (W8A16: float8_e4m3fn weights with float32 scales per block, scaled
 inside the kernels) against dequantize-then-matmul, in Triton's CPU interpreter: the one- and two-token
-GEMVs (both launch plans) and the grouped GEMMs, at the checkpoints' 128 x 128 blocks, for a whole
-layer, a tensor-parallel shard of each half, an expert-parallel one, an intermediate size that ends in a
-partial block, and smaller blocks whose rows a GEMM tile spans several of; and a whole tiny Qwen3-MoE
-with FP8 experts on the kernels against HF.
+GEMVs (both launch plans, one reduction step and several) and the grouped GEMMs, at the checkpoints'
+128 x 128 blocks, for a whole layer, a tensor-parallel shard of each half, an expert-parallel one, an
+intermediate size that ends in a partial block, and smaller blocks whose rows a GEMM tile spans several
+of; and a whole tiny Qwen3-MoE with FP8 experts on the kernels against HF.
 
 The grouped GEMMs run in float16 here, as in test_triton_moe.py (the interpreter's bf16 tl.dot is
 wrong); the GEMVs in bf16. Skips without Triton (CI)."""
@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 CASES: list[dict[str, Any]] = [
     {"T": t, "rank": r, "size": n, "ep": ep, "I": i, "block": block}
@@ -48,8 +50,10 @@ for c in json.loads(sys.argv[1]):
     shard = ExpertShard.of(spec, c["rank"], c["size"], expert_parallel=c["ep"])
     lo, n, e0, el = shard.inter_start, shard.inter_size, shard.expert_start, shard.num_local
 
-    def fp8(rows, cols):  # rows of different ranges, so the blocks' scales differ
-        w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) / cols**0.5
+    def fp8(rows, cols):  # blocks of ranges a power of two apart, so a wrong block's scale shows
+        ranges = 2.0 ** torch.randint(-2, 3, (-(-rows // block[0]), -(-cols // block[1])), generator=g)
+        spread = ranges.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        w = torch.randn(rows, cols, generator=g) * spread / cols**0.5
         return quantize_blocks(w, block)
 
     # Every expert's gate, up and down as a checkpoint holds them; then this rank's shard of each, as
@@ -76,7 +80,10 @@ for c in json.loads(sys.argv[1]):
     result = {"err": float((got - want).abs().max() / want.abs().max()), "small": small,
               "nonzero": float(want.abs().max()), "fp8": str(w13.dtype)}
     if small:
-        own = fused._small(x, logits, w13, w2, None, None, blocks=SmallBlocks(routed=False),
+        # Routing for themselves, in reduction steps of 128 (several, each of whole blocks), and more
+        # outputs a program (fewer programs for the interpreter).
+        steps = SmallBlocks(routed=False, up_bn=4, up_bk=128, down_bn=8, down_bk=128)
+        own = fused._small(x, logits, w13, w2, None, None, blocks=steps,
                            scales=(s13, s2), fp8_block=block)
         result["err_unrouted"] = float((own.float() - want).abs().max() / want.abs().max())
     out.append(result)
@@ -84,12 +91,14 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["gemv", "grouped"])
 def test_fp8_experts_match_dequantize_then_matmul_in_the_interpreter(
-    triton_interpreter: Callable[[str, object], Any],
+    small: bool, triton_interpreter: Callable[[str, object], Any]
 ) -> None:
-    results = triton_interpreter(SCRIPT, CASES)
-    assert [r["small"] for r in results] == [c["T"] <= 2 for c in CASES]
-    for case, r in zip(CASES, results):
+    cases = [c for c in CASES if (c["T"] <= 2) == small]  # one interpreter process each, kept short
+    results = triton_interpreter(SCRIPT, cases)
+    assert [r["small"] for r in results] == [small] * len(cases)
+    for case, r in zip(cases, results):
         assert r["fp8"] == "torch.float8_e4m3fn"
         # One rounding of the activation and of each pair's row: bf16 ~ 2^-8, fp16 ~ 2^-11.
         bound = 2e-2 if r["small"] else 4e-3
