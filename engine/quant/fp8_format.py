@@ -100,8 +100,11 @@ class Fp8Checkpoint:
         read FP8 weights and scale each block themselves (moe/triton_fp8.py), for block-scaled
         checkpoints of a block they take (its columns a power of two of at least 16), on GPUs whose
         Triton converts FP8 in registers (compute capability 8.9 on). None: the experts are dequantized
-        at load (CPU: the torch path computes on exactly HF's values)."""
+        at load (CPU: the torch path computes on exactly HF's values), as they are where the checkpoint
+        keeps some experts 16-bit (its `ignore` list names experts)."""
         if self.block is None or device.type != "cuda" or not triton or not fp8_block_fits(self.block):
+            return None
+        if any("experts" in module for module in self.ignore):
             return None
         return self.block if torch.cuda.get_device_capability(device) >= (8, 9) else None
 

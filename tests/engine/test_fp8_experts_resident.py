@@ -130,5 +130,13 @@ def test_experts_stay_fp8_only_where_the_kernels_read_them(monkeypatch: pytest.M
     assert block.expert_block(torch.device("cpu"), triton=True) is None
     odd = Fp8Checkpoint.from_config({"quant_method": "fp8", "weight_block_size": [128, 96]})
     assert odd is not None and odd.expert_block(torch.device("cuda"), triton=True) is None
+    mixed = Fp8Checkpoint.from_config(
+        {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["model.layers.0.mlp.experts"],
+        }
+    )
+    assert mixed is not None and mixed.expert_block(torch.device("cuda"), triton=True) is None
     channel = Fp8Checkpoint.from_config({"quant_method": "compressed-tensors", "format": "float-quantized"})
     assert channel is not None and channel.expert_block(torch.device("cuda"), triton=True) is None
