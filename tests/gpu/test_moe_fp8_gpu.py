@@ -4,7 +4,8 @@ experts, top 8, hidden 2048, expert intermediate 768), the one- and two-token GE
 GEMMs, a TP shard and an EP one, each captured in a CUDA graph and replayed on fresh inputs; a
 block-scaled FP8 Qwen3-MoE checkpoint held so under decode and piecewise graphs giving the greedy tokens
 of its dequantized weights run in bf16 (up to near-ties); and Qwen3-30B-A3B's whole shape loading with
-`load_format="dummy"` with its experts in FP8 and its weight bytes the FP8 size."""
+`load_format="dummy"` with its experts in FP8 and its weight bytes the FP8 size; a block-scaled FP8
+DeepSeek-V3 (real and dummy) serving with kv_b_proj dequantized for the absorbed latent attention."""
 
 from __future__ import annotations
 
@@ -195,3 +196,64 @@ def test_qwen3_30b_a3b_fp8_shape_holds_its_experts_in_fp8(
         assert [len(o.token_ids) for o in out] == [8, 8]
     finally:
         llm.shutdown()
+
+
+DEEPSEEK_V3_FP8: dict[str, Any] = {  # V2-Lite's attention shape with a low-rank query, as V3's
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+def test_an_fp8_deepseek_v3_serves_with_kv_b_proj_dequantized(
+    tiny_model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A block-scaled FP8 DeepSeek-V3 (latent projections, experts and shared expert in FP8): its
+    experts stay FP8 for the MoE kernels, its GEMM layers run FP8, and kv_b_proj, which the absorbed
+    latent attention reads as W_UK and W_UV, stays bf16, read dequantized; under MLA decode and piecewise
+    graphs it gives the eager torch-backend run's greedy tokens (up to FP8 near-ties), and its dummy form
+    holds the same layout."""
+    from tandem.engine.models.latent_attention import LatentAttention
+    from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 GEMMs of the latent projections need compute capability 9.0")
+    write_fp8_checkpoint(tiny_model_dir("deepseek_v3", **DEEPSEEK_V3_FP8), tmp_path / "fp8", layout="block",
+                         block=BLOCK)  # fmt: skip
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "fp8", bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 130, 300)]
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = {}
+    for name, options in {
+        "eager": {"attention_backend": "torch", "cuda_graph": False, "piecewise_cuda_graph": False},
+        "graphs": {"attention_backend": "flashinfer", "cuda_graph": True, "piecewise_cuda_graph": True},
+        "dummy": {"load_format": "dummy"},
+    }.items():
+        model_dir = bare if name == "dummy" else tmp_path / "fp8"
+        llm = LLM(str(model_dir), device="cuda", num_pages=512, cuda_graph_max_bs=16, **options)
+        engine = llm.runtime.engine
+        attention = [m for m in engine.model.modules() if isinstance(m, LatentAttention)]
+        experts = [m for m in engine.model.modules() if isinstance(m, MoEExperts)]
+        assert attention and all(m.kv_b_proj.weight.dtype == torch.bfloat16 for m in attention), name
+        assert all(m.q_b_proj is not None and m.q_b_proj.weight.dtype == FP8 for m in attention), name
+        assert experts and all(m.w13.dtype == FP8 for m in experts), name
+        outs[name] = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert all(len(o.token_ids) == GREEDY_TOKENS for o in outs["dummy"])
+    assert not greedy_disagreements(outs["eager"], outs["graphs"], near_tie=FP8_NEAR_TIE)
