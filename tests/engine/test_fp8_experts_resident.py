@@ -3,10 +3,12 @@ loading a checkpoint's weights and `weight_scale_inv` into it (this rank's rows 
 of down with the scale blocks that cover them, TP's slices and EP's whole experts) holds exactly the
 values the dequantizing load holds; a whole tiny Qwen3-MoE held that way (its torch path dequantizes
 per expert) gives HF's greedy tokens on the dequantized weights, and `Engine.weight_bytes` counts the
-FP8 bytes; `load_format="dummy"` draws the FP8 layout; where the engine holds them so."""
+FP8 bytes; `load_format="dummy"` draws the FP8 layout (a DeepSeek-V3's too, its kv_b_proj dense);
+where the engine holds them so."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,10 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.layers.source import InMemorySource
+from tandem.engine.models.latent_attention import LatentAttention
 from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
+from tandem.engine.quant.fp8_export import write_fp8_checkpoint
 from tandem.engine.quant.fp8_format import FP8, DequantSource, Fp8Checkpoint, quantize_blocks
 
 from .moe_ranks import CHUNK, MAX_NEW
@@ -111,6 +115,29 @@ def test_dummy_weights_draw_the_fp8_layout(fp8_moe: dict[str, Any]) -> None:
         w13, w2 = experts[0].expert_weights(0)
         # N(0, 1 / fan_in), as the dense draw is.
         assert 0.5 < float(w13.float().std()) * H**0.5 < 2 and 0.5 < float(w2.float().std()) * 32**0.5 < 2
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.usefixtures("resident")
+def test_a_dummy_fp8_deepseek_holds_fp8_experts_and_a_dense_kv_b_proj(
+    tiny_model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`load_format="dummy"` on a block-scaled FP8 DeepSeek-V3 config: the experts drawn in FP8, and
+    kv_b_proj in the compute dtype, outside the layers made FP8 (the absorbed attention reads it)."""
+    write_fp8_checkpoint(tiny_model_dir("deepseek_v3"), tmp_path / "fp8", layout="block", block=BLOCK)
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "fp8", bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    llm = LLM(str(bare), device="cpu", load_format="dummy")
+    try:
+        model = llm.runtime.engine.model
+        attention = [m for m in model.modules() if isinstance(m, LatentAttention)]
+        experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+        assert experts and all(m.w13.dtype == FP8 for m in experts)
+        assert attention and all(m.kv_b_proj.weight.dtype == torch.float32 for m in attention)
+        assert not any(m.kv_b_proj in model.linear_layers() for m in attention)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 4
     finally:
