@@ -157,7 +157,10 @@ def gemm_timings(llm: LLM, ceilings: dict[str, float], batch: int, sweep: bool) 
         bound_s = cost["bytes"] / (ceilings["copy_bandwidth_GBps"] * 1e9)
 
         def timed(r: Any) -> float:
-            return timer(lambda i: fused.expert_gemms(x, r, w13, w2), calls)
+            # Resident MXFP4 or FP8 experts: their scales, so the kernels read the format they hold.
+            scales = (layer.experts.w13_scales, layer.experts.w2_scales)
+            block = layer.experts.fp8_block
+            return timer(lambda i: fused.expert_gemms(x, r, w13, w2, scales=scales, fp8_block=block), calls)
 
         gemm_us = timed(routing)
         layer_us = timer(lambda i: layer(x), calls)

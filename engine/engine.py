@@ -81,6 +81,9 @@ class Engine:
         # dequantized at load, so the torch path computes on exactly HF's values.
         triton = kernels is not None and kernels.triton is not None
         self.mxfp4_experts = mxfp4 is not None and mxfp4.resident(config.device, triton=triton)
+        fp8 = Fp8Checkpoint.from_dir(config.model_dir)
+        # Block-scaled FP8 experts stay FP8 the same way (their scale block, or None: dequantized).
+        self.fp8_experts = None if fp8 is None else fp8.expert_block(config.device, triton=triton)
         with torch.device(config.device):
             self.model: CausalLM = model_class(mc.architecture)(
                 mc,
@@ -90,10 +93,10 @@ class Engine:
                 kernels,
                 expert_parallel=config.expert_parallel,
                 mxfp4_experts=self.mxfp4_experts,
+                fp8_experts=self.fp8_experts,
             )
         self.kernels = kernels
         self.fp8_layers = 0  # linear layers whose GEMMs run in FP8 (CUDA)
-        fp8 = Fp8Checkpoint.from_dir(config.model_dir)
         if config.load_format == "dummy":
             init_dummy_weights(self.model)
             # Nothing was read: drawn weights take the checkpoint's format on every linear layer (its

@@ -48,8 +48,11 @@ def open_sources(files: list[Path]) -> Iterator[dict[str, SafetensorsSource]]:
 
 @dataclass
 class LoadReport:
-    """What loading found beyond the weights: the modules whose checkpoint weights were FP8 (read
-    dequantized; `quant.fp8_linear` quantizes them again on GPU), and per-layer KV-cache scales."""
+    """What loading found beyond the weights: the GEMM layers whose checkpoint weights were FP8 (read
+    dequantized; `quant.fp8_linear` quantizes them again on GPU), and per-layer KV-cache scales. A
+    linear layer that runs no GEMM of its own (`CausalLM.linear_layers` leaves it out: latent
+    attention's kv_b_proj, read as W_UK and W_UV) keeps its FP8 weight dequantized, in the compute
+    dtype."""
 
     fp8_modules: list[ColumnParallelLinear | RowParallelLinear] = field(default_factory=list)
     kv_scales: dict[str, float] = field(default_factory=dict)  # "<layer prefix>.k_scale" -> value
@@ -72,6 +75,7 @@ def load_weights(
         dense = {name: mxfp4.weight_name(name) if mxfp4 else name for name in sources}
         ours = {name: model.checkpoint_name(dense[name]) for name in sources}
         loaders = model.loaders(set(ours.values()))
+        gemm_layers = {id(m) for m in model.linear_layers()}
         for name, plain in sources.items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -103,14 +107,14 @@ def load_weights(
             scale = sources.get(fp8.scale_name(name)) if fp8 is not None and not is_bias else None
             if fp8 is not None and scale is not None:
                 if isinstance(module, MoEExperts):
-                    # Experts are read dequantized into the compute dtype on every device.
+                    # Experts are read dequantized, or as FP8 where they stay FP8 (MoEExperts.load).
                     module.check_fp8_split(fp8.block, shard_id, name)
                 elif not isinstance(module, ColumnParallelLinear | RowParallelLinear):
                     raise ValueError(
                         f"FP8 tensor {name!r} is neither a linear layer's nor an expert's weight; "
                         "tandem keeps it 16-bit"
                     )
-                elif not any(m is module for m in report.fp8_modules):
+                elif id(module) in gemm_layers and not any(m is module for m in report.fp8_modules):
                     report.fp8_modules.append(module)
                 source = DequantSource(plain, scale, fp8.block)
             module.load(source, shard_id, is_bias=is_bias)

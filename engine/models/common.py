@@ -179,6 +179,7 @@ class CausalLM(nn.Module):
         *,
         expert_parallel: bool = False,
         mxfp4_experts: bool = False,
+        fp8_experts: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -191,6 +192,7 @@ class CausalLM(nn.Module):
             kernels,
             expert_parallel=expert_parallel,
             mxfp4_experts=mxfp4_experts,
+            fp8_experts=fp8_experts,
         )
         self.model = DecoderBody(b)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, tied=config.tie_word_embeddings)

@@ -54,6 +54,7 @@ class Build:
         *,
         expert_parallel: bool = False,
         mxfp4_experts: bool = False,
+        fp8_experts: tuple[int, int] | None = None,
     ) -> None:
         self.config, self.traits, self.tp, self.dtype, self.device = config, traits, tp, dtype, device
         self.kernels = kernels
@@ -61,6 +62,8 @@ class Build:
         self.expert_parallel = expert_parallel
         # MoE experts kept as MXFP4 bytes that the Triton kernels unpack (moe/experts.py), not dense.
         self.mxfp4_experts = mxfp4_experts
+        # MoE experts kept as block-scaled FP8 (this block) that the Triton kernels scale, not dense.
+        self.fp8_experts = fp8_experts
 
     def column(self, in_features: int, shards: list[OutputShard], *, bias: bool) -> ColumnParallelLinear:
         return ColumnParallelLinear(

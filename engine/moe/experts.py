@@ -16,6 +16,13 @@ Resident MXFP4 experts (`mxfp4=True`: an MXFP4 checkpoint served by the Triton k
 `w2_scales` [E_local, H, I_local / 32]: every row packed along the reduction, as triton_mxfp4.py reads
 it. A TP slice of the intermediate dimension is then a slice of down_proj's 32-value blocks, so it must
 keep whole blocks (`check_mxfp4_split`).
+
+Resident FP8 experts (`fp8_block` given: a block-scaled FP8 checkpoint served by the Triton kernels) keep
+the checkpoint's float8_e4m3fn weights in the dense layout, with float32 scales per block beside them:
+`w13_scales` [E_local, 2 ceil(I_local / b0), ceil(H / b1)] (the gate's block rows, then the up's) and
+`w2_scales` [E_local, ceil(H / b0), ceil(I_local / b1)], as triton_fp8.py reads them. Each rank's
+slice of the intermediate dimension starts on a block (`check_fp8_split`), so its scales are a slice of
+the checkpoint's.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.layers.source import TensorSource, check_shape
+from tandem.engine.layers.weight_scales import WeightScales
 from tandem.engine.moe.activation import gated
 from tandem.engine.moe.routing import route
 from tandem.engine.moe.spec import ExpertShard, MoESpec
+from tandem.engine.quant.fp8_format import FP8, DequantSource
 from tandem.engine.quant.mxfp4 import BLOCK, Mxfp4Source, dequantize
 
 # Shard ids of the fused layout's two tensors; per-expert tensors use 3 * expert + kind.
@@ -59,14 +68,21 @@ class MoEExperts(nn.Module):
         device: torch.device,
         fused: Any = None,
         mxfp4: bool = False,
+        fp8_block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.spec, self.shard, self.hidden_size, self.dtype = spec, shard, hidden_size, dtype
         e, i = shard.num_local, shard.inter_size
-        self.mxfp4 = mxfp4
+        self.mxfp4, self.fp8_block = mxfp4, fp8_block
         self.w13_scales: nn.Parameter | None = None
         self.w2_scales: nn.Parameter | None = None
-        if mxfp4:  # packed along the reduction: H for gate/up, I for down
+        if fp8_block is not None:  # the checkpoint's FP8 weights, float32 scales per block
+            b0, b1 = fp8_block
+            self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=FP8, device=device), False)
+            self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=FP8, device=device), False)
+            self.w13_scales = _scales((e, 2 * _blocks(i, b0), _blocks(hidden_size, b1)), device)
+            self.w2_scales = _scales((e, _blocks(hidden_size, b0), _blocks(i, b1)), device)
+        elif mxfp4:  # packed along the reduction: H for gate/up, I for down
             check_mxfp4_split(spec, shard, hidden_size)
             self.w13 = _bytes((e, 2 * i, hidden_size // 2), device)
             self.w13_scales = _bytes((e, 2 * i, hidden_size // BLOCK), device)
@@ -152,12 +168,39 @@ class MoEExperts(nn.Module):
         if not s.is_local(expert):
             return  # another rank's expert (expert parallelism)
         local = expert - s.expert_start
+        if self.fp8_block is not None:
+            self._load_fp8(source, expert, kind)
+            return
         if kind == 2:
             check_shape(source, (hidden, full), f"expert {expert}'s down projection")
             self.w2.data[local].copy_(source.read(1, lo, size))
             return
         check_shape(source, (full, hidden), f"expert {expert}'s {_KINDS[kind]}")
         self.w13.data[local, kind * size : (kind + 1) * size].copy_(source.read(0, lo, size))
+
+    def _load_fp8(self, source: TensorSource, expert: int, kind: int) -> None:
+        """One expert's projection as the checkpoint stores it: this rank's FP8 rows (gate/up) or columns
+        (down) and the scale blocks that cover them."""
+        s, full, hidden = self.shard, self.spec.expert_intermediate_size, self.hidden_size
+        assert self.fp8_block is not None and self.w13_scales is not None and self.w2_scales is not None
+        name = f"expert {expert}'s {_KINDS[kind]}"
+        if not isinstance(source, DequantSource) or source.block != self.fp8_block:
+            raise ValueError(
+                f"{name}: FP8 experts held in FP8 load the checkpoint's float8_e4m3fn weight with its "
+                f"weight_scale_inv per {self.fp8_block} block; this tensor has none"
+            )
+        local, lo, size = expert - s.expert_start, s.inter_start, s.inter_size
+        if kind == 2:
+            check_shape(source, (hidden, full), name)
+            weight, scales = source.read_fp8(1, lo, size)
+            self.w2.data[local].copy_(weight)
+            self.w2_scales.data[local].copy_(scales)
+            return
+        check_shape(source, (full, hidden), name)
+        weight, scales = source.read_fp8(0, lo, size)
+        self.w13.data[local, kind * size : (kind + 1) * size].copy_(weight)
+        rows = scales.shape[0]
+        self.w13_scales.data[local, kind * rows : (kind + 1) * rows].copy_(scales)
 
     def _load_gpt_oss(self, source: TensorSource, shard_id: int, *, is_bias: bool) -> None:
         """gpt-oss's tensors, one local expert at a time (an MXFP4 source dequantizes only what is read):
@@ -216,11 +259,18 @@ class MoEExperts(nn.Module):
                 self.w2_scales.data[local].copy_(scales[:, first:end])
 
     def expert_weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local expert `local`'s (w13, w2) in the compute dtype: resident MXFP4 ones dequantized (the
-        torch path; the kernels read the bytes)."""
+        """Local expert `local`'s (w13, w2) in the compute dtype: resident MXFP4 or FP8 ones dequantized
+        (the torch path; the kernels read the bytes)."""
         if self.w13_scales is None or self.w2_scales is None:
             return self.w13[local], self.w2[local]
         w13, w2 = self.w13[local], self.w2[local]
+        if self.fp8_block is not None:
+            size, rows = self.shard.inter_size, self.w13_scales.shape[1] // 2
+            s13 = self.w13_scales[local]
+            gate = WeightScales(s13[:rows], self.fp8_block).dequantize(w13[:size])
+            up = WeightScales(s13[rows:], self.fp8_block).dequantize(w13[size:])
+            down = WeightScales(self.w2_scales[local], self.fp8_block).dequantize(w2)
+            return torch.cat((gate, up)).to(self.dtype), down.to(self.dtype)
         dense13 = dequantize(w13.view(w13.shape[0], -1, BLOCK // 2), self.w13_scales[local])
         dense2 = dequantize(w2.view(w2.shape[0], -1, BLOCK // 2), self.w2_scales[local])
         return dense13.to(self.dtype), dense2.to(self.dtype)
@@ -247,6 +297,7 @@ class MoEExperts(nn.Module):
             out: torch.Tensor = self.fused(
                 x, logits, self.w13, self.w2, shared if has_gate else None, shared_gate, pdl,
                 b13=self.b13, b2=self.b2, s13=self.w13_scales, s2=self.w2_scales, choice=choice,
+                fp8_block=self.fp8_block,
             )  # fmt: skip
             return out if has_gate or shared is None else out + shared
         weights, ids = route(logits, self.spec, score_bias)
@@ -284,6 +335,14 @@ def _experts_of(
         return source.read(0, shard.expert_start, shard.num_local).transpose(1, 2)
     check_shape(source, shape, what)
     return source.read(0, shard.expert_start, shard.num_local)
+
+
+def _blocks(size: int, block: int) -> int:
+    return -(-size // block)
+
+
+def _scales(shape: tuple[int, int, int], device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
 
 
 def _bytes(shape: tuple[int, int, int], device: torch.device) -> nn.Parameter:

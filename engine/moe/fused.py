@@ -25,6 +25,7 @@ from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.moe.triton_gemm import grouped_gemm_kernel, sum_kernel
 from tandem.engine.moe.triton_route import align_kernel, route_kernel
 from tandem.engine.moe.triton_small import choose_kernel, down_kernel, up_kernel
+from tandem.engine.quant.fp8_format import fp8_block_fits
 
 # Up to this many tokens the experts run as per-pair GEMVs (triton_small.py): their few pairs rarely share
 # an expert, so grouping saves no weight reads and costs two more launches.
@@ -101,17 +102,28 @@ class Routing:
 
 
 Biases = tuple[torch.Tensor | None, torch.Tensor | None]  # (b13, b2) of the experts, or None each
-Scales = tuple[torch.Tensor | None, torch.Tensor | None]  # MXFP4 experts' (s13, s2), or None each
+Scales = tuple[torch.Tensor | None, torch.Tensor | None]  # MXFP4 or FP8 experts' (s13, s2), or None each
+Block = tuple[int, int] | None  # FP8 experts' scale block (rows, columns)
 
 
-def mxfp4_options(w: torch.Tensor, scale: torch.Tensor | None) -> dict[str, Any]:
-    """A launch's weight-format arguments: MXFP4 with the scales of packed `w`, or the dense default
-    (`w` a placeholder for the scales pointer the launch does not read)."""
+def weight_options(w: torch.Tensor, scale: torch.Tensor | None, fp8_block: Block = None) -> dict[str, Any]:
+    """A launch's weight-format arguments: MXFP4 with the e8m0 scales of packed uint8 `w`, FP8 with the
+    float32 `fp8_block` scales of float8_e4m3fn `w`, or the dense default (`w` a placeholder for the
+    scales pointer the launch does not read)."""
+    dense = {"MXFP4": False, "FP8": False, "SB_N": 128, "SB_K": 128}
     if scale is None:
-        return {"MXFP4": False, "scales": w, "stride_e": 0, "stride_n": 0}
+        return dense | {"scales": w, "stride_e": 0, "stride_n": 0}
+    strides = {"scales": scale, "stride_e": scale.stride(0), "stride_n": scale.stride(1)}
+    if w.dtype == torch.float8_e4m3fn:
+        fits = fp8_block is not None and fp8_block_fits(fp8_block)
+        if not fits or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"FP8 experts: weight {list(w.shape)}, scales {scale.dtype} "
+                             f"{list(scale.shape)}, block {fp8_block}")  # fmt: skip
+        assert fp8_block is not None
+        return dense | strides | {"FP8": True, "SB_N": fp8_block[0], "SB_K": fp8_block[1]}
     if w.dtype != torch.uint8 or scale.dtype != torch.uint8 or w.shape[-1] * 2 != scale.shape[-1] * 32:
         raise ValueError(f"MXFP4 experts: blocks {w.dtype} {list(w.shape)} and scales {list(scale.shape)}")
-    return {"MXFP4": True, "scales": scale, "stride_e": scale.stride(0), "stride_n": scale.stride(1)}
+    return dense | strides | {"MXFP4": True}
 
 
 class FusedMoE:
@@ -145,18 +157,21 @@ class FusedMoE:
         s13: torch.Tensor | None = None,
         s2: torch.Tensor | None = None,
         choice: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fp8_block: Block = None,
     ) -> torch.Tensor:
         """`b13` [E_local, 2I] and `b2` [E_local, H]: the experts' biases, where the spec has them.
         `s13` and `s2`: MXFP4 experts' e8m0 scales, [E_local, 2I, H / 32] and [E_local, H, I / 32]; with
         them `w13` [E_local, 2I, H / 2] and `w2` [E_local, H, I / 2] are their packed uint8 blocks
-        (triton_mxfp4.py), which the kernels unpack as they read."""
+        (triton_mxfp4.py), which the kernels unpack as they read. Or FP8 experts' float32 scales per
+        `fp8_block` (triton_fp8.py): `w13` [E_local, 2I, H] and `w2` [E_local, H, I] float8_e4m3fn,
+        `s13` [E_local, 2 ceil(I / b0), ceil(H / b1)] (the gate's block rows, then the up's) and `s2`
+        [E_local, ceil(H / b0), ceil(I / b1)]."""
         biases, scales = (b13, b2), (s13, s2)
         if x.shape[0] <= SMALL_MAX_TOKENS:
-            return self._small(
-                x, logits, w13, w2, shared, shared_gate, pdl, biases=biases, scales=scales, choice=choice
-            )
+            return self._small(x, logits, w13, w2, shared, shared_gate, pdl, biases=biases, scales=scales,
+                               choice=choice, fp8_block=fp8_block)  # fmt: skip
         routing = self.route(logits, choice=choice)
-        pairs = self.expert_gemms(x, routing, w13, w2, biases, scales)
+        pairs = self.expert_gemms(x, routing, w13, w2, biases, scales, fp8_block)
         return self.sum(pairs, routing, shared, shared_gate)
 
     def _options(self, w: torch.Tensor, biases: Biases, *, up: bool) -> dict[str, Any]:
@@ -187,6 +202,7 @@ class FusedMoE:
         biases: Biases = (None, None),
         scales: Scales = (None, None),
         choice: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fp8_block: Block = None,
     ) -> torch.Tensor:
         tokens, k, inter, hidden = x.shape[0], self.spec.top_k, self.shard.inter_size, self.hidden
         b = blocks or SMALL_BLOCKS
@@ -204,20 +220,22 @@ class FusedMoE:
             choose(logits, ids, weights, logits.stride(0), E=s.num_experts, E_PAD=self.experts_pad, TOPK=k,
                    K_PAD=self.k_pad, RENORM=s.renormalize, TOPK_SOFTMAX=self.topk_softmax, num_warps=1,
                    **pdl_launch(pdl))  # fmt: skip
-        up_k, up_n = reduction_block(b.up_bk, hidden), b.up_bn
-        up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
         o = self._options(w13, biases, up=True)
-        f = mxfp4_options(w13, scales[0])
+        f = weight_options(w13, scales[0], fp8_block)
+        # FP8: a reduction step holds whole scale blocks.
+        up_k, up_n = max(reduction_block(b.up_bk, hidden), f["FP8"] * f["SB_K"]), b.up_bn
+        up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
         up(x, logits, ids, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
            HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, ROUTED=b.routed, num_warps=b.up_warps,
            b13_ptr=o["bias"], stride_b13=o["stride"], alpha=o["alpha"], limit=o["limit"],
            HAS_BIAS=o["HAS_BIAS"], CLAMPED=o["CLAMPED"], TOPK_SOFTMAX=self.topk_softmax,
-           s13_ptr=f["scales"], stride_se=f["stride_e"], MXFP4=f["MXFP4"], **pdl_launch(pdl))  # fmt: skip
+           s13_ptr=f["scales"], stride_se=f["stride_e"], MXFP4=f["MXFP4"], FP8=f["FP8"], SB_N=f["SB_N"],
+           SB_K=f["SB_K"], **pdl_launch(pdl))  # fmt: skip
         d = self._options(w2, biases, up=False)
-        f = mxfp4_options(w2, scales[1])
+        f = weight_options(w2, scales[1], fp8_block)
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
-        down_k, down_n = reduction_block(b.down_bk, inter), b.down_bn
+        down_k, down_n = max(reduction_block(b.down_bk, inter), f["FP8"] * f["SB_K"]), b.down_bn
         down: Any = down_kernel[(tokens, triton.cdiv(hidden, down_n))]
         down(
             act,
@@ -248,6 +266,9 @@ class FusedMoE:
             s2_ptr=f["scales"],
             stride_se=f["stride_e"],
             MXFP4=f["MXFP4"],
+            FP8=f["FP8"],
+            SB_N=f["SB_N"],
+            SB_K=f["SB_K"],
             **pdl_launch(pdl),
         )
         return out
@@ -315,15 +336,16 @@ class FusedMoE:
         w2: torch.Tensor,
         biases: Biases = (None, None),
         scales: Scales = (None, None),
+        fp8_block: Block = None,
     ) -> torch.Tensor:
         """Both grouped GEMMs: the weighted down projection of every pair, [T * k, H] (rows of other
         ranks' experts are left unwritten)."""
         inter, k, hidden = self.shard.inter_size, self.spec.top_k, self.hidden
         act = torch.empty(routing.num_pairs, inter, dtype=x.dtype, device=x.device)
-        up = self._options(w13, biases, up=True) | mxfp4_options(w13, scales[0])
+        up = self._options(w13, biases, up=True) | weight_options(w13, scales[0], fp8_block)
         self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=hidden, row_div=k, gated=True, options=up)
         pairs = torch.empty(routing.num_pairs, hidden, dtype=x.dtype, device=x.device)
-        down = self._options(w2, biases, up=False) | mxfp4_options(w2, scales[1])
+        down = self._options(w2, biases, up=False) | weight_options(w2, scales[1], fp8_block)
         self._gemm(act, w2, pairs, routing, routing.down, n=hidden, k_dim=inter, row_div=1, gated=False,
                    options=down)  # fmt: skip
         return pairs
@@ -345,15 +367,18 @@ class FusedMoE:
         grid = (routing.max_row_blocks * triton.cdiv(n, blocks.bn),)
         gemm: Any = grouped_gemm_kernel[grid]
         o = options
+        # FP8: a K step within one scale block (both powers of two), so it has one scale a column.
+        bk = min(blocks.bk, o["SB_K"]) if o.get("FP8") else blocks.bk
         gemm(a, w, out, routing.sorted_pairs, routing.block_experts, routing.total, routing.weights,
              routing.num_pairs, routing.max_row_blocks, n, k_dim, a.stride(0), w.stride(0), w.stride(1),
              out.stride(0), A_ROW_DIV=row_div, GATED=gated, WEIGHTED=not gated, BM=blocks.bm, BN=blocks.bn,
-             BK=blocks.bk, GROUP_M=blocks.group_m, num_warps=blocks.num_warps,
+             BK=bk, GROUP_M=blocks.group_m, num_warps=blocks.num_warps,
              num_stages=blocks.num_stages, bias_ptr=o["bias"], stride_bias=o["stride"],
              alpha=o.get("alpha", 1.0), limit=o.get("limit", 0.0), HAS_BIAS=o["HAS_BIAS"],
              CLAMPED=o.get("CLAMPED", False), scales_ptr=o.get("scales", w),
              stride_se=o.get("stride_e", 0), stride_sn=o.get("stride_n", 0),
-             MXFP4=o.get("MXFP4", False))  # fmt: skip
+             MXFP4=o.get("MXFP4", False), FP8=o.get("FP8", False), SB_N=o.get("SB_N", 128),
+             SB_K=o.get("SB_K", 128))  # fmt: skip
 
     def sum(
         self,

@@ -79,6 +79,7 @@ class MoE(nn.Module):
             device=b.device,
             fused=fused,
             mxfp4=b.mxfp4_experts,
+            fp8_block=b.fp8_experts,
         )
         self.shared_expert = shared_expert
         gated = shared_expert is not None and spec.shared_expert_gated

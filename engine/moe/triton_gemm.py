@@ -55,6 +55,9 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     stride_se=0,
     stride_sn=0,
     MXFP4: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    SB_N: tl.constexpr = 128,
+    SB_K: tl.constexpr = 128,
 ):
     """out[pair, n] for n < N: GATED, silu(a W[:N]^T) * (a W[N:2N]^T) (W [2N, K], the gate rows first);
     else (a W^T) * weights[pair] (W [N, K]). a's row is pair // A_ROW_DIV (the token for the up GEMM,
@@ -62,7 +65,10 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one.
     MXFP4: W is packed (uint8 [E, rows, K / 2], its byte strides stride_we, stride_wn) with e8m0 scales
     (uint8 [E, rows, K / 32], strides stride_se, stride_sn), unpacked into the activation's dtype per
-    tile (triton_mxfp4.py); BK a multiple of 32."""
+    tile (triton_mxfp4.py); BK a multiple of 32. FP8: W is float8_e4m3fn with float32 scales per SB_N x
+    SB_K block ([E, block rows, block columns], the gated weight's gate blocks then its up blocks,
+    strides stride_se, stride_sn): each K step's product times its columns' scales (triton_fp8.py); BK
+    divides SB_K."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M blocks of rows share each weight tile while it is in L2.
@@ -86,6 +92,9 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     # MXFP4: each weight row's first byte and first scale (the packed tile is indexed by k itself).
     w_rows = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    # FP8: each column's first block scale; the up rows' blocks follow the gate's ceil(N / SB_N).
+    s_blocks = expert * stride_se + (cols[None, :] // SB_N).to(tl.int64) * stride_sn
+    up_blocks = s_blocks + ((N + SB_N - 1) // SB_N) * stride_sn
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -97,14 +106,22 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
             w = mxfp4_values(w_ptr, scales_ptr, w_rows, s_rows, kk, w_mask).to(a.dtype)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc)
+        if FP8:
+            scale = tl.load(scales_ptr + s_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+            acc += tl.dot(a, w.to(a.dtype)) * scale
+        else:
+            acc = tl.dot(a, w, acc)
         if GATED:
             if MXFP4:
                 up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
                 up = mxfp4_values(w_ptr, scales_ptr, up_rows, up_scales, kk, w_mask).to(a.dtype)
             else:
                 up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, up, acc_up)
+            if FP8:
+                scale = tl.load(scales_ptr + up_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+                acc_up += tl.dot(a, up.to(a.dtype)) * scale
+            else:
+                acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BK
         w_ptrs += BK
     if HAS_BIAS:

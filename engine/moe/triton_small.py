@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tandem.engine.moe.triton_fp8 import fp8_block_dot
 from tandem.engine.moe.triton_mxfp4 import mxfp4_values
 from tandem.engine.moe.triton_route import topk_rows
 
@@ -87,6 +88,9 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     s13_ptr=None,
     stride_se=0,
     MXFP4: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    SB_N: tl.constexpr = 128,
+    SB_K: tl.constexpr = 128,
 ):
     """act[pair, n] = silu(x W_gate[n]) * (x W_up[n]) for the pair's expert; nothing for another rank's.
     The expert is ids[pair] where choose_kernel ran (ROUTED), else this program's own top k. HAS_BIAS:
@@ -115,6 +119,11 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     # MXFP4: the gate rows' first bytes and scales; the up rows follow INTER rows on.
     gate_bytes = expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * (HIDDEN // 2)
     gate_scales = expert.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * (HIDDEN // 32)
+    # FP8: the rows' first block scales; the up rows' follow the gate's ceil(INTER / SB_N) block rows.
+    s_cols = (HIDDEN + SB_K - 1) // SB_K
+    gate_blocks = expert.to(tl.int64) * stride_se + (cols[:, None] // SB_N).to(tl.int64) * s_cols
+    up_blocks = gate_blocks + ((INTER + SB_N - 1) // SB_N) * s_cols
+    elements = expert.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * HIDDEN
     acc_gate = tl.zeros([BN], dtype=tl.float32)
     acc_up = tl.zeros([BN], dtype=tl.float32)
     # Unrolled (one step where the hidden size fits a block), so the weight loads are not held back by
@@ -124,15 +133,23 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         k_mask = ks < HIDDEN
         x = tl.load(x_ptr + token.to(tl.int64) * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
         m = col_mask[:, None] & k_mask[None, :]
-        if MXFP4:
-            up_bytes, up_scales = gate_bytes + INTER * (HIDDEN // 2), gate_scales + INTER * (HIDDEN // 32)
-            gate = mxfp4_values(w13_ptr, s13_ptr, gate_bytes, gate_scales, ks[None, :], m)
-            up = mxfp4_values(w13_ptr, s13_ptr, up_bytes, up_scales, ks[None, :], m)
+        if FP8:
+            up_elements = elements + INTER * HIDDEN
+            acc_gate += fp8_block_dot(w13_ptr, s13_ptr, elements, gate_blocks, k0, x, m, col_mask[:, None],
+                                      s_cols, BN, BK, SB_K)  # fmt: skip
+            acc_up += fp8_block_dot(w13_ptr, s13_ptr, up_elements, up_blocks, k0, x, m, col_mask[:, None],
+                                    s_cols, BN, BK, SB_K)  # fmt: skip
         else:
-            gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
-            up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(gate * x[None, :], axis=1)
-        acc_up += tl.sum(up * x[None, :], axis=1)
+            if MXFP4:
+                up_bytes = gate_bytes + INTER * (HIDDEN // 2)
+                up_scales = gate_scales + INTER * (HIDDEN // 32)
+                gate = mxfp4_values(w13_ptr, s13_ptr, gate_bytes, gate_scales, ks[None, :], m)
+                up = mxfp4_values(w13_ptr, s13_ptr, up_bytes, up_scales, ks[None, :], m)
+            else:
+                gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+                up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            acc_gate += tl.sum(gate * x[None, :], axis=1)
+            acc_up += tl.sum(up * x[None, :], axis=1)
     if HAS_BIAS:
         bias = b13_ptr + expert.to(tl.int64) * stride_b13 + cols
         acc_gate += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)
@@ -182,10 +199,15 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
     s2_ptr=None,
     stride_se=0,
     MXFP4: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    SB_N: tl.constexpr = 128,
+    SB_K: tl.constexpr = 128,
 ):
     """out[token, n] = sum_j w_j (act[token * TOPK + j] W_down[e_j][n] (+ b2[e_j][n] with HAS_BIAS)) over
     this rank's experts (+ sigmoid(gate) * shared[token, n]). MXFP4: w2 is packed, uint8 [E_local, HIDDEN,
-    INTER / 2] (byte stride stride_we), with its scales s2 [E_local, HIDDEN, INTER / 32] (stride_se)."""
+    INTER / 2] (byte stride stride_we), with its scales s2 [E_local, HIDDEN, INTER / 32] (stride_se).
+    FP8: w2 is float8_e4m3fn with float32 scales s2 [E_local, ceil(HIDDEN / SB_N), ceil(INTER / SB_K)]
+    (stride_se) applied per block (triton_fp8.py); BK a multiple of SB_K."""
     token = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -215,6 +237,9 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
         local = tl.where(mine, expert, 0).to(tl.int64)
         row_bytes = local * stride_we + cols[:, None].to(tl.int64) * (INTER // 2)
         row_scales = local * stride_se + cols[:, None].to(tl.int64) * (INTER // 32)
+        s_cols = (INTER + SB_K - 1) // SB_K
+        blocks = local * stride_se + (cols[:, None] // SB_N).to(tl.int64) * s_cols
+        elements = local * stride_we + rows_of
         act_row = act_ptr + (token * TOPK + j).to(tl.int64) * INTER
         part = tl.zeros([BN], dtype=tl.float32)
         for k0 in tl.static_range(0, INTER, BK):
@@ -222,11 +247,15 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
             k_mask = ks < length
             a = tl.load(act_row + ks, mask=k_mask, other=0.0).to(tl.float32)
             m = col_mask[:, None] & k_mask[None, :]
-            if MXFP4:
-                w = mxfp4_values(w2_ptr, s2_ptr, row_bytes, row_scales, ks[None, :], m)
+            if FP8:
+                part += fp8_block_dot(w2_ptr, s2_ptr, elements, blocks, k0, a, m, col_mask[:, None], s_cols,
+                                      BN, BK, SB_K)  # fmt: skip
             else:
-                w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
-            part += tl.sum(w * a[None, :], axis=1)
+                if MXFP4:
+                    w = mxfp4_values(w2_ptr, s2_ptr, row_bytes, row_scales, ks[None, :], m)
+                else:
+                    w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
+                part += tl.sum(w * a[None, :], axis=1)
         if HAS_BIAS:
             # Another rank's expert reads local expert 0's row (a valid address) and adds none of it.
             bias = b2_ptr + tl.where(mine, expert, 0).to(tl.int64) * stride_b2 + cols

@@ -2,7 +2,8 @@
 checkpoint of the very weights they dequantize to beside it: tests build tiny ones at test time and
 benchmarks the 8B shape's (a reference for HF transformers, and for top-1 agreement).
 
-Quantized: every linear projection's weight (q/k/v/o, gate/up/down) not named in `ignore`.
+Quantized: every linear projection's weight (q/k/v/o, gate/up/down, DeepSeek's q_a/q_b/kv_a/kv_b) not
+named in `ignore`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tandem.engine.quant.fp8_format import FP8, FP8_MAX, quantize_blocks, quanti
 from tandem.engine.weights import safetensors_files
 
 Fp8Layout = Literal["block", "channel", "tensor"]
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# DeepSeek's latent attention: its low-rank query and latent projections too, as its FP8 releases have them.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
+                "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 
 
 def _quantize(

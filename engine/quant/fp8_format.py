@@ -95,8 +95,28 @@ class Fp8Checkpoint:
         quant = raw.get("quantization_config") or (text or {}).get("quantization_config")
         return cls.from_config(quant)
 
+    def expert_block(self, device: torch.device, *, triton: bool) -> tuple[int, int] | None:
+        """The block in which MoE experts stay FP8 in memory: on CUDA with the Triton MoE kernels, which
+        read FP8 weights and scale each block themselves (moe/triton_fp8.py), for block-scaled
+        checkpoints of a block they take (its columns a power of two of at least 16), on GPUs whose
+        Triton converts FP8 in registers (compute capability 8.9 on). None: the experts are dequantized
+        at load (CPU: the torch path computes on exactly HF's values), as they are where the checkpoint
+        keeps some experts 16-bit (its `ignore` list names experts)."""
+        if self.block is None or device.type != "cuda" or not triton or not fp8_block_fits(self.block):
+            return None
+        if any("experts" in module for module in self.ignore):
+            return None
+        return self.block if torch.cuda.get_device_capability(device) >= (8, 9) else None
+
     def scale_name(self, weight_name: str) -> str:
         return weight_name.removesuffix("weight") + self.scale_suffix
+
+
+def fp8_block_fits(block: tuple[int, int]) -> bool:
+    """Whether the MoE kernels read FP8 weights of this scale block: its columns a power of two of at
+    least 16 (a GEMM's K step, a power of two of at least 16, must lie within one block), rows any."""
+    rows, cols = block
+    return rows > 0 and cols >= 16 and cols & (cols - 1) == 0
 
 
 def is_scale(name: str) -> bool:
@@ -116,9 +136,27 @@ class DequantSource:
     def shape(self) -> tuple[int, ...]:
         return self._weight.shape
 
+    @property
+    def block(self) -> tuple[int, int] | None:
+        return self._block
+
     def read(self, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
         w = self._weight.read(dim, start, size).float()
         return w * self._scales(dim, start, w.shape[dim])
+
+    def read_fp8(self, dim: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block-scaled weight's slice as stored, not dequantized: the float8_e4m3fn [rows, cols] along
+        `dim` and the float32 scales of the blocks that cover it. `start` must begin a block (the
+        caller checks a TP split keeps whole blocks: MoEExperts.check_fp8_split)."""
+        if self._block is None or start % self._block[dim]:
+            raise ValueError(f"FP8 tensor {self.name!r}: a slice from {start} along dim {dim} does not "
+                             f"begin a scale block {self._block}")  # fmt: skip
+        step = self._block[dim]
+        first, end = start // step, -(-(start + size) // step)
+        weight = self._weight.read(dim, start, size)
+        if weight.dtype != FP8:
+            raise ValueError(f"FP8 tensor {self.name!r} is {weight.dtype}, not float8_e4m3fn")
+        return weight, self._scale.read(dim, first, end - first).float()
 
     def _scales(self, dim: int, start: int, size: int) -> torch.Tensor:
         """The scale of every element of the [rows, cols] slice along `dim`, broadcastable to it."""

@@ -1,7 +1,10 @@
 """Block-scaled FP8 experts (the hub's per-expert `weight` + `weight_scale_inv`, as the Qwen3 `-FP8` and
 DeepSeek-V3 releases ship them) load into the one MoE layer: a tiny Qwen3-MoE with FP8 attention and
-experts gives HF transformers' greedy tokens on the dequantized weights at tp_size 1, 2 and 2 with
-expert parallelism (CPU, float32); a TP split that would cut a scale block fails by name."""
+experts, and a tiny DeepSeek-V3 with FP8 latent attention (kv_b_proj read dequantized, as the absorbed
+form reads it), experts and shared expert, give HF transformers' greedy tokens on the dequantized weights
+at tp_size 1, 2 and 2 with expert parallelism (CPU, float32); a TP split that would cut a scale block
+fails by name. The experts held as FP8 (what CUDA with Triton does) are tested in
+test_fp8_experts_resident.py."""
 
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import torch
 from safetensors import safe_open
 
 from tandem import LLM, SamplingParams
+from tandem.engine.models.latent_attention import LatentAttention
 from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.quant.fp8_export import write_fp8_checkpoint
+from tandem.engine.quant.fp8_format import Fp8Checkpoint
+from tandem.engine.weights import load_weights
 
 from .moe_ranks import CHUNK, MAX_NEW, moe_two_ranks
 from .test_moe_models import hf_greedy, prompts_for
@@ -25,14 +31,23 @@ from .test_moe_models import hf_greedy, prompts_for
 BLOCK = (16, 16)  # the tiny experts' intermediate size 32 splits into whole blocks over two ranks
 
 
-@pytest.fixture(scope="module")
-def fp8_moe(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    src = tiny_model_dir("qwen3_moe")
-    root = tmp_path_factory.mktemp("fp8-moe")
+def fp8_case(src: Path, root: Path) -> dict[str, Any]:
     fp8_dir, ref_dir = root / "fp8", root / "ref"
     write_fp8_checkpoint(src, fp8_dir, ref_dir, layout="block", block=BLOCK)
     prompts = prompts_for(json.loads((src / "config.json").read_text())["vocab_size"])
     return {"dir": fp8_dir, "src": src, "prompts": prompts, "want": hf_greedy(ref_dir, prompts)}
+
+
+@pytest.fixture(scope="module")
+def fp8_deepseek(
+    tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    return fp8_case(tiny_model_dir("deepseek_v3"), tmp_path_factory.mktemp("fp8-deepseek"))
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tiny_model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return fp8_case(tiny_model_dir("qwen3_moe"), tmp_path_factory.mktemp("fp8-moe"))
 
 
 def test_the_checkpoint_holds_fp8_experts(fp8_moe: dict[str, Any]) -> None:
@@ -56,12 +71,42 @@ def test_tp1_matches_hf_on_the_dequantized_weights(fp8_moe: dict[str, Any]) -> N
     assert [o.token_ids for o in base] != fp8_moe["want"]
 
 
-def test_tp2_and_expert_parallel_match_hf(fp8_moe: dict[str, Any]) -> None:
-    jobs = {"fp8": (str(fp8_moe["dir"]), fp8_moe["prompts"])}
+def test_deepseek_v3_fp8_matches_hf_with_kv_b_proj_dequantized(fp8_deepseek: dict[str, Any]) -> None:
+    with safe_open(str(fp8_deepseek["dir"] / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for module in ("self_attn.kv_b_proj", "self_attn.q_a_proj", "mlp.experts.3.down_proj",
+                       "mlp.shared_experts.up_proj"):  # fmt: skip
+            assert f"model.layers.1.{module}.weight_scale_inv" in names, module
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+    llm = LLM(str(fp8_deepseek["dir"]), device="cpu", chunk_size=CHUNK)
+    try:
+        outs = llm.generate(fp8_deepseek["prompts"], greedy, use_tqdm=False)
+        assert [o.token_ids for o in outs] == fp8_deepseek["want"]
+        # kv_b_proj runs no GEMM (the absorbed form reads its weight as W_UK and W_UV), so loading does
+        # not hand it to the FP8 GEMMs: on GPU too it stays dequantized, in the compute dtype.
+        model = llm.runtime.engine.model
+        fp8 = Fp8Checkpoint.from_dir(fp8_deepseek["dir"])
+        report = load_weights(model, fp8_deepseek["dir"], None, fp8)
+        attention = [m for m in model.modules() if isinstance(m, LatentAttention)]
+        assert attention and not any(m.kv_b_proj in report.fp8_modules for m in attention)
+        assert any(m.q_b_proj in report.fp8_modules for m in attention)
+        assert all(m.kv_b_proj.weight.dtype == torch.float32 for m in attention)
+    finally:
+        llm.shutdown()
+    plain = LLM(str(fp8_deepseek["src"]), device="cpu", chunk_size=CHUNK)
+    base = plain.generate(fp8_deepseek["prompts"], greedy, use_tqdm=False)
+    plain.shutdown()
+    assert [o.token_ids for o in base] != fp8_deepseek["want"]
+
+
+def test_tp2_and_expert_parallel_match_hf(fp8_moe: dict[str, Any], fp8_deepseek: dict[str, Any]) -> None:
+    cases = {"fp8": fp8_moe, "fp8-deepseek": fp8_deepseek}
+    jobs = {name: (str(case["dir"]), case["prompts"]) for name, case in cases.items()}
     results = moe_two_ranks(jobs)
-    for mode in ("tp", "ep"):
-        assert results[0][f"fp8/{mode}"]["tokens"] == fp8_moe["want"], mode
-        assert results[1][f"fp8/{mode}"]["tokens"] == fp8_moe["want"], mode
+    for name, case in cases.items():
+        for mode in ("tp", "ep"):
+            assert results[0][f"{name}/{mode}"]["tokens"] == case["want"], (name, mode)
+            assert results[1][f"{name}/{mode}"]["tokens"] == case["want"], (name, mode)
 
 
 @pytest.mark.parametrize(
