@@ -34,6 +34,7 @@ class EngineLike(Protocol):
         sampling: SamplingBatch,
         prompt: PromptLogprobs | None = None,
         spec: SpecBatch | None = None,
+        captured: torch.Tensor | None = None,
     ) -> ForwardOutput: ...
 
 

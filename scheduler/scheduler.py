@@ -66,9 +66,9 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        drafter = spec is not None and spec.draft is not None
+        lag = spec.draft_lag if spec is not None else None  # None: no drafter writes drafts on the device
         self.builder = BatchBuilder(
-            self.table, kv, self.device, eos_token_ids, lora=lora is not None, device_drafts=drafter
+            self.table, kv, self.device, eos_token_ids, lora=lora is not None, draft_lag=lag
         )
         self.grammars = grammars
         self.lora = lora
@@ -305,8 +305,9 @@ class Scheduler:
             self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
         spec = flight.prepared.spec
+        step = flight.logits
         flight.output = self.engine.sample(
-            flight.logits.logits, sampling, flight.logits.prompt, None if spec is None else spec.engine
+            step.logits, sampling, step.prompt, None if spec is None else spec.engine, step.captured
         )
         self._store(flight.prepared, flight.output)
         flight.sampling = flight.logits = flight.bitmask = None
@@ -317,10 +318,12 @@ class Scheduler:
         pool = self.table.token_pool
         if prepared.spec is None:
             pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
-            return
-        assert output.accepted is not None
-        index = output_index(prepared.spec, output.accepted, self.table.spare)
-        pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
+        else:
+            assert output.accepted is not None
+            index = output_index(prepared.spec, output.accepted, self.table.spare)
+            pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
+        if self.spec is not None:  # a hidden-state drafter follows the batch once its tokens are in
+            self.spec.stored(prepared, output, pool)
 
     def _process(self, done: InFlight, pending: InFlight | None = None) -> None:
         """Process a finished batch. `pending`, a launched batch whose constrained rows wait for their
