@@ -21,7 +21,9 @@ def _config(model_dir: Path) -> dict:  # type: ignore[type-arg]
 def repeating(target: Path, out: Path) -> Path:
     """A copy of `target` whose layers add nothing to the residual stream and whose LM head is the
     embedding: each greedy token is the token before it wherever that token's embedding is its own
-    nearest (`self_nearest`)."""
+    nearest (`self_nearest`). Made once per `out`."""
+    if out.exists():
+        return out
     shutil.copytree(target, out)
     weights = load_file(str(out / WEIGHTS))
     for name, value in weights.items():
@@ -124,7 +126,10 @@ def with_mtp_layer(target: Path, out: Path, *, agree: bool = False, seed: int = 
     """A copy of a DeepSeek-V3 `target` with one MTP layer appended (`num_nextn_predict_layers: 1`): a
     copy of its last decoder layer, with `enorm`, `hnorm`, `eh_proj`, `shared_head` and the embedding's
     copy. With `agree` the layer passes the next token's embedding through unchanged and predicts with
-    the embedding as its head (so it proposes that token: right for a repeating target)."""
+    the embedding as its head (so it proposes that token: right for a repeating target). Made once per
+    `out`."""
+    if out.exists():
+        return out
     shutil.copytree(target, out)
     weights = load_file(str(out / WEIGHTS))
     raw = _config(out)
