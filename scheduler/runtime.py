@@ -144,7 +144,8 @@ class RankRuntime:
         if spec.method in ("eagle3", "mtp"):
             if len(self.engine.groups) != 1 or self.engine.groups[0].window is not None:
                 raise ValueError(f"speculative_config.method {spec.method!r} needs a full-attention target")
-            head_dir = None if spec.model is None else resolve_model_dir(spec.model, weights=True)
+            weights = options.engine.load_format != "dummy"  # dummy: the head's config.json only
+            head_dir = None if spec.model is None else resolve_model_dir(spec.model, weights=weights)
             drafter = load_hidden_drafter(spec.method, self.engine, slots, head_dir)
             self.engine.capture = drafter.head.capture
             drafts = HiddenDrafts(drafter, max_seq_len)

@@ -16,7 +16,7 @@ from tandem.engine.attention.base import LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.layers.embedding import VocabParallelEmbedding
 from tandem.engine.models.common import Loadable, module_loaders
-from tandem.engine.models.context import ForwardContext
+from tandem.engine.models.context import ForwardContext, Traits
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class DraftHead(nn.Module):
     the normed state, in the target's ids. A later step feeds the residual stream back as hidden input."""
 
     capture: HiddenCapture
+    traits = Traits()  # the Llama baseline's norms (DeepSeek's too), as `load_format: dummy` draws them
     # (pattern, replacement) rewrites of checkpoint names into the head's, applied in order.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
@@ -78,8 +79,3 @@ class DraftHead(nn.Module):
 
     def loaders(self, available: Collection[str] = ()) -> dict[str, tuple[Loadable, int, bool]]:
         return module_loaders(self, available)
-
-
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [T]: each row's argmax (the drafts are greedy, so verification is exact rejection sampling)."""
-    return logits.argmax(dim=-1)

@@ -26,6 +26,7 @@ import torch
 from tandem.engine.attention import AttentionBackend, backend_factory
 from tandem.engine.batch import ForwardBatch
 from tandem.engine.config import ModelConfig
+from tandem.engine.dummy_weights import init_dummy_weights
 from tandem.engine.kernel_plan import EAGER
 from tandem.engine.kv_pool import KVGroupSpec, KVPool
 from tandem.engine.models.common import DecoderBody
@@ -104,7 +105,7 @@ def load_hidden_drafter(method: str, target: Engine, slots: int, head_dir: Path 
         assert head_dir is not None
         config = ModelConfig.from_dir(head_dir)
         _check_eagle3(config, tmc, head_dir)
-        names = _checkpoint_names(head_dir)
+        names = set() if cfg.load_format == "dummy" else _checkpoint_names(head_dir)
         build = Build(config, Traits(), target.tp, cfg.dtype, cfg.device, target.kernels)
         with torch.device(cfg.device):
             head: DraftHead = Eagle3Head(
@@ -133,6 +134,10 @@ def load_hidden_drafter(method: str, target: Engine, slots: int, head_dir: Path 
         source = cfg.model_dir
     else:
         raise ValueError(f"speculative_config.method {method!r} is not a hidden-state drafter")
+    if cfg.load_format == "dummy":  # drawn like the target's: the head's checkpoint is not read
+        init_dummy_weights(head)
+        head.eval()
+        return HiddenDrafter(head, target, slots)
     fp8 = Fp8Checkpoint.from_dir(source)
     try:
         report = load_weights(head, source, fp8=fp8)

@@ -67,3 +67,12 @@ def test_a_checkpoint_without_the_layer_fails_naming_the_method(v3: Any) -> None
     model_dir: Path = v3[0]  # its config.json says num_nextn_predict_layers: 1, its weights have none
     with pytest.raises(ValueError, match=r"speculative_config\.method 'mtp'.*enorm"):
         LLM(str(model_dir), device="cpu", speculative_config=_spec(1))
+
+
+def test_dummy_weights_draw_the_mtp_layer_too(v3: Any) -> None:
+    model_dir: Path = v3[0]
+    llm = LLM(str(model_dir), device="cpu", load_format="dummy", speculative_config=_spec(2))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [len(o.token_ids) for o in llm.generate(v3[1], params, use_tqdm=False)] == [6] * len(v3[1])
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    llm.shutdown()

@@ -142,3 +142,15 @@ def test_bad_heads_fail_at_start_naming_the_field(target: Any) -> None:
     # Method 'mtp' on a model without an MTP layer names the method.
     with pytest.raises(ValueError, match=r"speculative_config\.method 'mtp'"):
         LLM(str(model_dir), device="cpu", speculative_config={"method": "mtp"})
+
+
+def test_dummy_weights_draw_the_head_too(target: Any) -> None:
+    """`load_format: dummy` reads the head's config.json only (benchmarks of shapes with no weights)."""
+    model_dir, prompts, _, tmp = target
+    head = write_eagle3(tmp / "dummy", model_dir, draft_vocab=100, keep=[])
+    (head / "model.safetensors").unlink()
+    llm = LLM(str(model_dir), device="cpu", load_format="dummy", speculative_config=_spec(head))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [6] * len(prompts)
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    llm.shutdown()
