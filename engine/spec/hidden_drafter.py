@@ -128,7 +128,15 @@ def load_hidden_drafter(method: str, target: Engine, slots: int, head_dir: Path 
                 f"(DeepSeek-V3's num_nextn_predict_layers >= 1); {tmc.architecture} in {cfg.model_dir} "
                 "has none"
             )
-        build = Build(mtp_config(tmc), Traits(), target.tp, cfg.dtype, cfg.device, target.kernels)
+        build = Build(
+            mtp_config(tmc),
+            Traits(),
+            target.tp,
+            cfg.dtype,
+            cfg.device,
+            target.kernels,
+            expert_parallel=cfg.expert_parallel,  # the layer's experts sharded as the target's are
+        )
         with torch.device(cfg.device):
             head = MtpHead(build, body.embed_tokens, tmc.num_layers)
         source = cfg.model_dir

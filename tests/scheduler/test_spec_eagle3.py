@@ -154,3 +154,30 @@ def test_dummy_weights_draw_the_head_too(target: Any) -> None:
     assert [len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == [6] * len(prompts)
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
     llm.shutdown()
+
+
+def test_grammar_rows_share_batches_with_drafted_rows(target: Any) -> None:
+    """Structured-output rows never draft and their sample waits for their masks (the overlap loop's
+    deferred sample): the head follows those batches once their tokens are stored, all stays exact."""
+    from tandem.scheduler.sampling_params import StructuredOutputs
+
+    model_dir, prompts, ref, tmp = target
+    head = write_eagle3(tmp / "grammar", model_dir, draft_vocab=200, keep=[])
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    constrained = [
+        SamplingParams(
+            max_tokens=24, temperature=1.0, seed=s, structured_outputs=StructuredOutputs(json=schema)
+        )
+        for s in range(2)
+    ]
+    params = [GREEDY] * len(prompts) + constrained
+    every = prompts + prompts[:2]
+    spec = LLM(str(model_dir), device="cpu", overlap=True, speculative_config=_spec(head))
+    plain = LLM(str(model_dir), device="cpu", overlap=True)
+    got = spec.generate(every, params, use_tqdm=False)
+    want = plain.generate(every, params, use_tqdm=False)
+    assert [o.token_ids for o in got[: len(prompts)]] == ref
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+    spec.shutdown()
+    plain.shutdown()
