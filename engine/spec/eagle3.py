@@ -27,7 +27,8 @@ from tandem.engine.models.common import MLP
 from tandem.engine.models.context import Build, ForwardContext
 from tandem.engine.spec.head import DraftHead, HiddenCapture
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The public heads' name, and vLLM's other name for the same layout.
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def aux_layer_ids(raw: dict[str, Any], target_layers: int) -> tuple[int, ...]:
@@ -113,7 +114,7 @@ class Eagle3Head(DraftHead):
         self.d2t = DraftVocabMap(self.draft_vocab, b.device) if has_d2t else None
 
     @property
-    def attention(self) -> nn.Module:
+    def attention(self) -> Attention:
         return self.midlayer.self_attn
 
     def project(self, captured: torch.Tensor) -> torch.Tensor:

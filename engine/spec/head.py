@@ -15,8 +15,10 @@ from torch import nn
 from tandem.engine.attention.base import LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.layers.embedding import VocabParallelEmbedding
+from tandem.engine.models.attention import Attention
 from tandem.engine.models.common import Loadable, module_loaders
 from tandem.engine.models.context import ForwardContext, Traits
+from tandem.engine.models.latent_attention import LatentAttention
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,12 @@ class DraftHead(nn.Module):
         return table(input_ids)  # type: ignore[no-any-return]
 
     @property
-    def attention(self) -> nn.Module:
+    def attention(self) -> Attention | LatentAttention:
+        """The layer's attention block: its LayerSpec sizes the head's KV pool."""
         raise NotImplementedError
 
     def layer_specs(self) -> list[LayerSpec]:
-        spec: LayerSpec = self.attention.spec  # type: ignore[assignment]
-        return [spec]
+        return [self.attention.spec]
 
     def project(self, captured: torch.Tensor) -> torch.Tensor:
         return captured

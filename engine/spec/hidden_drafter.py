@@ -33,7 +33,7 @@ from tandem.engine.models.common import DecoderBody
 from tandem.engine.models.context import Build, ForwardContext, Traits
 from tandem.engine.quant.fp8_format import Fp8Checkpoint
 from tandem.engine.quant.fp8_linear import quantize_linears
-from tandem.engine.spec.eagle3 import ARCHITECTURE, Eagle3Head
+from tandem.engine.spec.eagle3 import ARCHITECTURES, Eagle3Head
 from tandem.engine.spec.head import DraftHead
 from tandem.engine.spec.mtp import MtpHead, mtp_config, mtp_layers
 from tandem.engine.weights import load_weights, open_sources, safetensors_files
@@ -61,7 +61,7 @@ class HiddenDrafter:
             device=cfg.device,
             v_head_dim=spec.stored_v_dim,
         )
-        head.attention.warm_up_store(self.pool)  # type: ignore[operator]
+        head.attention.warm_up_store(self.pool)
         self.attention: AttentionBackend = backend_factory(cfg.attention_backend)(
             self.groups,
             cfg.page_size,
@@ -167,8 +167,8 @@ def load_hidden_drafter(method: str, target: Engine, slots: int, head_dir: Path 
 
 def _check_eagle3(config: ModelConfig, target: ModelConfig, head_dir: Path) -> None:
     problems = []
-    if config.architecture != ARCHITECTURE:
-        problems.append(f"its architecture is {config.architecture!r}, not {ARCHITECTURE!r}")
+    if config.architecture not in ARCHITECTURES:
+        problems.append(f"its architecture is {config.architecture!r}, not {ARCHITECTURES[0]!r}")
     if config.vocab_size != target.vocab_size:
         problems.append(f"its vocab_size ({config.vocab_size}) is not the target's ({target.vocab_size})")
     draft_vocab = int(config.raw.get("draft_vocab_size") or config.vocab_size)

@@ -18,8 +18,10 @@ from torch import nn
 
 from tandem.engine.config import FULL, ModelConfig
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.engine.models.attention import Attention
 from tandem.engine.models.common import DecoderLayer
 from tandem.engine.models.context import Build, ForwardContext
+from tandem.engine.models.latent_attention import LatentAttention
 from tandem.engine.moe.spec import MoESpec
 from tandem.engine.spec.head import DraftHead, HiddenCapture
 
@@ -72,7 +74,7 @@ class MtpHead(DraftHead):
         self._prefix = re.compile(rf"model\.layers\.{target_layers}\.(.*)")
 
     @property
-    def attention(self) -> nn.Module:
+    def attention(self) -> Attention | LatentAttention:
         return self.block.self_attn
 
     def forward(
