@@ -169,6 +169,8 @@ class ForwardOutput:
     prompt: PromptLogprobs | None = None  # host copies, for a batch with a PromptLogprobBatch
     accepted: torch.Tensor | None = None  # int64 [B], device: tokens each row emitted; None: no drafts
     accepted_host: torch.Tensor | None = None  # int64 [B], host
+    # Per token of the batch, the hidden states a hidden-state drafter reads (engine/spec/head.py).
+    captured: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -186,3 +188,4 @@ class StepLogits:
 
     logits: torch.Tensor  # [B, vocab], in the model's logits dtype
     prompt: PromptLogprobs | None = None
+    captured: torch.Tensor | None = None  # per token: a drafter's hidden states (Engine.capture)

@@ -22,13 +22,14 @@ import torch
 from tandem.engine.models.common import CausalLM
 from tandem.engine.quant.fp8_format import FP8
 from tandem.engine.quant.mxfp4 import fill_dummy
+from tandem.engine.spec.head import DraftHead
 
 EMBED_STD = 0.02
 
 
 @torch.no_grad()
-def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
-    """Fill every parameter of `model` in place, on the device it lives on."""
+def init_dummy_weights(model: CausalLM | DraftHead, seed: int = 0) -> None:
+    """Fill every parameter of `model` (a model, or a drafter's head) in place, on its device."""
     gemma = model.traits.gemma_norm
     for name, param in model.named_parameters():
         gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -35,6 +36,7 @@ from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
 from tandem.engine.sampler import Sampler, SampleResult
+from tandem.engine.spec.head import HiddenCapture
 from tandem.engine.spec.verify import verify
 from tandem.engine.streams import Event, StreamSet
 from tandem.engine.weights import LoadReport, load_weights
@@ -120,6 +122,9 @@ class Engine:
         logger.info("weights: %.2f GiB on this rank", self.weight_bytes / 2**30)
         self.model.eval()
         self.capture_seconds = 0.0
+        # Set when a hidden-state drafter reads this model's hidden states (engine/spec/head.py): every
+        # forward then runs eagerly and returns them with its logits.
+        self.capture: HiddenCapture | None = None
         # LoRA slots come before the graphs, which read them, and before the KV pool is sized.
         self.lora: EngineLora | None = None
         if config.lora is not None:
@@ -217,7 +222,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         step = self.step_logits(batch)
-        return self.sample(step.logits, batch.sampling, step.prompt, batch.spec)
+        return self.sample(step.logits, batch.sampling, step.prompt, batch.spec, step.captured)
 
     @torch.inference_mode()
     def sample(
@@ -226,17 +231,21 @@ class Engine:
         sampling: SamplingBatch,
         prompt: PromptLogprobs | None = None,
         spec: SpecBatch | None = None,
+        captured: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Sample from `logits` (from `step_logits`) and start the copy of the tokens (and of `prompt`'s
         log-probs) to the host. Apart from the forward, so the scheduler can launch a batch's forward
         before its token bitmasks are known. With `spec`, the drafts are verified on the device
-        (spec/verify.py) and the accept counts travel with the tokens."""
+        (spec/verify.py) and the accept counts travel with the tokens. `captured` (the forward's hidden
+        states for a drafter) rides along on the device."""
         result = self.sampler(logits, sampling)
         if spec is None:
-            return self._copy_to_host(result, prompt)
-        checked = verify(result, spec)
-        grid = SampleResult(checked.tokens, checked.logprobs, checked.top_ids, checked.top_logprobs)
-        return self._copy_to_host(grid, prompt, checked.accepted)
+            output = self._copy_to_host(result, prompt)
+        else:
+            checked = verify(result, spec)
+            grid = SampleResult(checked.tokens, checked.logprobs, checked.top_ids, checked.top_logprobs)
+            output = self._copy_to_host(grid, prompt, checked.accepted)
+        return output if captured is None else replace(output, captured=captured)
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -250,23 +259,31 @@ class Engine:
         keep every token's hidden state; a decode graph keeps only the last."""
         lora = self.lora
         adapters = lora is not None and batch.lora_slots_cpu is not None
-        graphs = self.decode_graphs
+        # A drafter's hidden states are taken in the eager forward only (the graphs keep none of them).
+        graphs = self.decode_graphs if self.capture is None else None
+        piecewise = self.piecewise if self.capture is None else None
         graph_bs = graphs.padded_size(batch) if graphs is not None else None
         if graphs is not None and graph_bs is not None and batch.prompt_logprobs is None:
             if lora is not None and adapters:
                 lora.plan(batch, graph=True)
             return StepLogits(graphs.run(batch, graph_bs, lora=adapters))
         self.attention.plan(batch)
-        bucket = self.piecewise.padded_size(batch) if self.piecewise is not None else None
-        if self.piecewise is not None and bucket is not None:
+        bucket = piecewise.padded_size(batch) if piecewise is not None else None
+        captured = None
+        if piecewise is not None and bucket is not None:
             if lora is not None:  # the pieces are captured with the deltas: a base batch plans no tiles
                 lora.plan(batch, graph=True)
-            hidden = self.piecewise.run(batch, ForwardContext(self.attention, self.pool, EAGER), bucket)
+            hidden = piecewise.run(batch, ForwardContext(self.attention, self.pool, EAGER), bucket)
         else:
             if lora is not None and adapters:
                 lora.plan(batch, graph=False)
             ctx = ForwardContext(self.attention, self.pool, EAGER_LORA if adapters else EAGER)
-            hidden = self.model(batch.input_ids, batch.positions, ctx)
+            if self.capture is None:
+                hidden = self.model(batch.input_ids, batch.positions, ctx)
+            else:
+                hidden, captured = self.model.forward_capturing(
+                    batch.input_ids, batch.positions, ctx, self.capture.layers
+                )
         prompt = None
         if batch.prompt_logprobs is not None:
             prompt = self._prompt_logprobs(hidden, batch.prompt_logprobs)
@@ -274,7 +291,7 @@ class Engine:
             hidden = hidden[batch.spec.logit_index]
         elif not batch.is_decode:  # decode rows are their own last token
             hidden = hidden[torch.cumsum(batch.extend_lens, 0, dtype=torch.int64) - 1]
-        return StepLogits(self.model.compute_logits(hidden), prompt)
+        return StepLogits(self.model.compute_logits(hidden), prompt, captured)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, asked: PromptLogprobBatch) -> PromptLogprobs:
         """Log-softmax of the raw logits at the asked positions only, a chunk of them at a time."""

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from safetensors import safe_open
 
+from tandem.engine.config import ModelConfig
 from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine.layers.source import SafetensorsSource, TensorSource
-from tandem.engine.models.common import CausalLM
+from tandem.engine.models.common import Loadable
 from tandem.engine.moe.experts import MoEExperts
 from tandem.engine.quant.fp8_format import KV_SCALE_SUFFIXES, SCALE_SUFFIXES, DequantSource, Fp8Checkpoint
 from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
@@ -46,6 +48,19 @@ def open_sources(files: list[Path]) -> Iterator[dict[str, SafetensorsSource]]:
         yield sources
 
 
+class Checkpointed(Protocol):
+    """What loading reads of a model: a CausalLM, or a drafter's head (engine/spec/head.py)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def checkpoint_name(self, name: str) -> str: ...
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool: ...
+
+    def loaders(self, available: Collection[str] = ()) -> dict[str, tuple[Loadable, int, bool]]: ...
+
+
 @dataclass
 class LoadReport:
     """What loading found beyond the weights: the GEMM layers whose checkpoint weights were FP8 (read
@@ -59,7 +74,7 @@ class LoadReport:
 
 
 def load_weights(
-    model: CausalLM,
+    model: Checkpointed,
     model_dir: Path,
     progress: Callable[[int, int], None] | None = None,
     fp8: Fp8Checkpoint | None = None,

@@ -69,11 +69,13 @@ class BatchBuilder:
         eos_token_ids: tuple[int, ...] = (),
         *,
         lora: bool = False,
-        device_drafts: bool = False,
+        draft_lag: int | None = None,
     ) -> None:
         self.table = table
         self.lora = lora  # whether rows may carry a LoRA slot (the engine has LoRA on)
-        self.device_drafts = device_drafts  # a draft model writes the drafts: stage its steps
+        # A drafter writes the drafts on the device: stage its steps, which run `draft_lag` positions
+        # behind their input tokens (spec/draft_model.py). None: drafts are staged from the host.
+        self.draft_lag = draft_lag
         self.kv = kv
         self.device = device
         # Written when a request takes its slot (`admit`), gathered per batch.
@@ -114,8 +116,8 @@ class BatchBuilder:
         if any(r.drafts for r in rows):  # one sample row per scored position (spec/staging.py)
             spec = stage_spec(stage, rows, slots, lengths, device_lens, max_len)
             sample_slots, sample_lens = spec.sample_slots, spec.sample_lens
-            if self.device_drafts:
-                steps = stage_draft_steps(stage, rows, self.table, self.kv.page_size)
+            if self.draft_lag is not None:
+                steps = stage_draft_steps(stage, rows, self.table, self.kv.page_size, self.draft_lag)
         sampling = self._stage_sampling(stage, sample_slots, sample_lens)
         history = self._stage_history(stage, sample_slots, sample_lens)
         lora = (

@@ -39,6 +39,7 @@ class EngineLike(Protocol):
         sampling: SamplingBatch,
         prompt: PromptLogprobs | None = None,
         spec: SpecBatch | None = None,
+        captured: torch.Tensor | None = None,
     ) -> ForwardOutput: ...
 
 
@@ -146,8 +147,9 @@ class Launcher:
             self.streams.hand_over((bitmask, index), to=self.streams.engine)
         sampling = replace(flight.sampling, bitmask=bitmask, bitmask_rows=index, bitmask_vocab=vocab or None)
         spec = flight.prepared.spec
+        step = flight.logits
         flight.output = self.engine.sample(
-            flight.logits.logits, sampling, flight.logits.prompt, None if spec is None else spec.engine
+            step.logits, sampling, step.prompt, None if spec is None else spec.engine, step.captured
         )
         self._store(flight.prepared, flight.output)
         flight.sampling = flight.logits = flight.bitmask = None
@@ -158,10 +160,12 @@ class Launcher:
         pool = self.table.token_pool
         if prepared.spec is None:
             pool.index_copy_(0, prepared.output_mapping, output.next_tokens)
-            return
-        assert output.accepted is not None
-        index = output_index(prepared.spec, output.accepted, self.table.spare)
-        pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
+        else:
+            assert output.accepted is not None
+            index = output_index(prepared.spec, output.accepted, self.table.spare)
+            pool.index_copy_(0, index.reshape(-1), output.next_tokens.reshape(-1))
+        if self.spec is not None:  # a hidden-state drafter follows the batch once its tokens are in
+            self.spec.stored(prepared, output, pool)
 
 
 class InflightPageGuard:

@@ -17,6 +17,7 @@ from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.hub import resolve_model_dir
+from tandem.engine.spec.hidden_drafter import load_hidden_drafter
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
 from tandem.scheduler.inflight import InFlight
@@ -26,6 +27,7 @@ from tandem.scheduler.messages import TokenOutput
 from tandem.scheduler.options import RuntimeOptions
 from tandem.scheduler.scheduler import MessageSource, Scheduler
 from tandem.scheduler.spec.decoding import SpecDecoding
+from tandem.scheduler.spec.hidden_drafts import HiddenDrafts
 from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 __all__ = ["RankRuntime", "RuntimeLimits", "RuntimeOptions"]
@@ -115,7 +117,7 @@ class RankRuntime:
             lora = AdapterSlots(self.engine.lora, config.lora.max_loras, cached)
         spec = None
         if options.speculative_config is not None:
-            spec = self._speculation(options, tp, sched_config.max_seq_len)
+            spec = self._speculation(options, tp, sched_config.max_seq_len, sched_config.max_running)
         self.scheduler = Scheduler(
             sched_config,
             self.engine,
@@ -130,12 +132,24 @@ class RankRuntime:
         self.overlap = options.overlap
         self._last: InFlight | None = None
 
-    def _speculation(self, options: RuntimeOptions, tp: TPGroup, max_seq_len: int) -> SpecDecoding:
+    def _speculation(
+        self, options: RuntimeOptions, tp: TPGroup, max_seq_len: int, slots: int
+    ) -> SpecDecoding:
         """The rank's speculative decoding; for `draft_model`, its draft engine: same device, dtype and TP
-        group, and a KV pool of the target's page count and size, so one page table serves both."""
+        group, and a KV pool of the target's page count and size, so one page table serves both; for
+        `eagle3` and `mtp`, a head over the target's hidden states, its KV pool likewise."""
         spec = options.speculative_config
         assert spec is not None
         vocab = self.engine.model_config.vocab_size
+        if spec.method in ("eagle3", "mtp"):
+            if len(self.engine.groups) != 1 or self.engine.groups[0].window is not None:
+                raise ValueError(f"speculative_config.method {spec.method!r} needs a full-attention target")
+            weights = options.engine.load_format != "dummy"  # dummy: the head's config.json only
+            head_dir = None if spec.model is None else resolve_model_dir(spec.model, weights=weights)
+            drafter = load_hidden_drafter(spec.method, self.engine, slots, head_dir)
+            self.engine.capture = drafter.head.capture
+            drafts = HiddenDrafts(drafter, max_seq_len)
+            return SpecDecoding(spec, max_seq_len, vocab_size=vocab, hidden=drafts)
         if spec.method != "draft_model":
             return SpecDecoding(spec, max_seq_len, vocab_size=vocab)
         assert spec.model is not None

@@ -61,9 +61,9 @@ class Scheduler:
         self.table = RequestTable(
             config.max_running, config.max_seq_len, kv.page_size, len(kv.groups), self.device
         )
-        drafter = spec is not None and spec.draft is not None
+        lag = spec.draft_lag if spec is not None else None  # None: no drafter writes drafts on the device
         self.builder = BatchBuilder(
-            self.table, kv, self.device, eos_token_ids, lora=lora is not None, device_drafts=drafter
+            self.table, kv, self.device, eos_token_ids, lora=lora is not None, draft_lag=lag
         )
         self.grammars = grammars
         self.lora = lora

@@ -20,12 +20,15 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [T, H, D]; k and v [T
 
 
 class Attention(nn.Module):
-    def __init__(self, b: Build, layer_id: int) -> None:
+    def __init__(self, b: Build, layer_id: int, in_features: int | None = None) -> None:
+        """`in_features`: the q/k/v projection's input width where it is not `hidden_size` (an EAGLE-3
+        layer reads the token embedding and the hidden state side by side)."""
         super().__init__()
         c, tp = b.config, b.tp
         q_shard = head_shard(c.num_heads, c.head_dim, tp)
         kv_shard = head_shard(c.num_kv_heads, c.head_dim, tp)
-        self.qkv_proj = b.column(c.hidden_size, [q_shard, kv_shard, kv_shard], bias=c.attention_bias)
+        width = c.hidden_size if in_features is None else in_features
+        self.qkv_proj = b.column(width, [q_shard, kv_shard, kv_shard], bias=c.attention_bias)
         self.o_proj = b.row(
             c.num_heads * c.head_dim, c.hidden_size, bias=b.traits.o_proj_bias and c.attention_bias
         )

@@ -145,13 +145,24 @@ class DecoderBody(nn.Module):
         """Finish the last layer, then the final norm."""
         return self.layer(len(self.layers) - 1).finish(x, attn_out, self.norm, plan)[1]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        capture: tuple[int, ...] = (),
+        captured: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Eager batches and decode graphs: attention in line (Attention.forward), where the q/k/v step
-        may store K/V itself and a small decode graph runs rope, store and attention as one launch."""
+        may store K/V itself and a small decode graph runs rope, store and attention as one launch.
+        `capture`: layers whose input residual stream is appended to `captured`, in layer order (what
+        a hidden-state drafter reads; empty, the default, costs nothing)."""
         x = self.embed(input_ids)
         h: torch.Tensor = self.layer(0).input_layernorm(x, ctx.plan)
         last = len(self.layers) - 1
         for i in range(last + 1):
+            if i in capture and captured is not None:
+                captured.append(x.clone())  # the next residual add may update x in place
             layer = self.layer(i)
             next_norm = self.norm if i == last else self.layer(i + 1).input_layernorm
             x, h = layer.finish(x, layer.self_attn(positions, h, ctx), next_norm, ctx.plan)
@@ -247,6 +258,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)  # type: ignore[no-any-return]
 
+    def forward_capturing(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward, and per token the hidden states a drafter reads: the residual streams entering
+        `layers` side by side ([T, len(layers) * hidden], EAGLE-3), or with no layers the final normed
+        hidden state itself (MTP)."""
+        captured: list[torch.Tensor] = []
+        hidden = self.model(input_ids, positions, ctx, capture=layers, captured=captured)
+        return hidden, torch.cat(captured, dim=-1) if layers else hidden
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[B, vocab] in `logits_dtype`. `out` ([B, padded vocab], `logits_dtype`): a fixed buffer to
         write them into, as a decode graph does (the result is its view)."""
@@ -270,18 +291,28 @@ class CausalLM(nn.Module):
         """Checkpoint tensor name -> (module that loads it, shard id, is_bias). `available`, the
         checkpoint's names (after `checkpoint_name`), picks the layout where a module reads more than one
         (MoE experts: fused or per expert)."""
-        table: dict[str, tuple[Loadable, int, bool]] = {}
-        for name, module in self.named_modules():
-            entries = getattr(module, "checkpoint_entries", None)
-            if entries is not None:
-                table.update(entries(name, available))
-                continue
-            if not hasattr(module, "load") or (name == "lm_head" and self.config.tie_word_embeddings):
-                continue
-            parent, _, leaf = name.rpartition(".")
-            for pname, _param in module.named_parameters(recurse=False):
-                targets = MERGED.get(leaf, (leaf,))
-                for shard_id, hf_leaf in enumerate(targets):
-                    key = f"{parent}.{hf_leaf}.{pname}" if parent else f"{hf_leaf}.{pname}"
-                    table[key] = (cast(Loadable, module), shard_id, pname == "bias")
-        return table
+        skip = ("lm_head",) if self.config.tie_word_embeddings else ()
+        return module_loaders(self, available, skip)
+
+
+def module_loaders(
+    root: nn.Module, available: Collection[str] = (), skip: Collection[str] = ()
+) -> dict[str, tuple[Loadable, int, bool]]:
+    """`CausalLM.loaders` of any module tree (a drafter's head too): every module with `load` reads its
+    parameters under their HF names (merged projections split back, `MERGED`), or lists its own
+    `checkpoint_entries`; the modules named in `skip` read nothing (a tied LM head)."""
+    table: dict[str, tuple[Loadable, int, bool]] = {}
+    for name, module in root.named_modules():
+        entries = getattr(module, "checkpoint_entries", None)
+        if entries is not None:
+            table.update(entries(name, available))
+            continue
+        if not hasattr(module, "load") or name in skip:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        for pname, _param in module.named_parameters(recurse=False):
+            targets = MERGED.get(leaf, (leaf,))
+            for shard_id, hf_leaf in enumerate(targets):
+                key = f"{parent}.{hf_leaf}.{pname}" if parent else f"{hf_leaf}.{pname}"
+                table[key] = (cast(Loadable, module), shard_id, pname == "bias")
+    return table

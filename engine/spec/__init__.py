@@ -1,1 +1,1 @@
-"""Speculative decoding on the engine's side: verification of a batch's drafts against the target."""
+"""Speculative decoding on the engine's side: draft verification, and hidden-state drafters (EAGLE-3, MTP)."""

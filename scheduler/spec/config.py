@@ -13,10 +13,9 @@ from typing import Any, Literal
 from tandem.engine.options import check_fields, option
 
 SpecMethod = Literal["ngram", "draft_model", "eagle3", "mtp"]
-# Methods this build runs. The others are named by the config so a serve config written for them
-# fails at start-up naming `method`, instead of being accepted and ignored.
-RUNNABLE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 NEEDS_MODEL: tuple[str, ...] = ("draft_model", "eagle3")
+# Methods that draft from the request's tokens or the target's own layer: a `model` would be ignored.
+NO_MODEL: tuple[str, ...] = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,9 @@ class SpeculativeConfig:
         3, "Draft tokens per request and step (K); one forward scores K + 1 positions.", ge=1, le=16
     )
     model: str | None = option(
-        None, "The draft model's directory or hub id: required for 'draft_model' and 'eagle3'."
+        None,
+        "The draft model's (or EAGLE-3 head's) directory or hub id: required for 'draft_model' and "
+        "'eagle3', unset for 'ngram' and 'mtp'.",
     )
     prompt_lookup_min: int = option(
         1, "'ngram': the shortest suffix of the request's tokens matched earlier in them.", ge=1
@@ -52,14 +53,10 @@ class SpeculativeConfig:
             )
         if self.method in NEEDS_MODEL and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
-        if self.method == "ngram" and self.model is not None:
+        if self.method in NO_MODEL and self.model is not None:
+            source = "the prompt" if self.method == "ngram" else "the target's own MTP layer"
             raise ValueError(
-                "speculative_config.model must be unset for method 'ngram' (it drafts from the prompt)"
-            )
-        if self.method not in RUNNABLE_METHODS:
-            raise ValueError(
-                f"speculative_config.method {self.method!r} is not available in this build; "
-                f"available: {', '.join(RUNNABLE_METHODS)}"
+                f"speculative_config.model must be unset for method {self.method!r} (it drafts from {source})"
             )
 
     @classmethod

@@ -23,6 +23,7 @@ from tandem.engine.batch import ForwardBatch, ForwardOutput
 from tandem.scheduler.request import Request
 from tandem.scheduler.spec.config import SpeculativeConfig
 from tandem.scheduler.spec.draft_model import DraftEngine, gather_drafts, run_draft_steps
+from tandem.scheduler.spec.hidden_drafts import HiddenDrafts, StoredBatch
 from tandem.scheduler.spec.ngram import propose_ngram
 from tandem.scheduler.spec.staging import DraftedRow, SpecPrepared
 
@@ -39,12 +40,15 @@ class SpecDecoding:
         max_seq_len: int,
         draft: DraftEngine | None = None,
         vocab_size: int = 0,
+        hidden: HiddenDrafts | None = None,
     ) -> None:
         """`draft`: the draft model's engine (`draft_model`), whose KV pool shares the target's page ids;
-        `vocab_size`: the tokenizer's, the ids a draft may propose."""
+        `vocab_size`: the tokenizer's, the ids a draft may propose; `hidden`: a hidden-state drafter
+        (`eagle3`, `mtp`; spec/hidden_drafts.py)."""
         self.config = config
         self.max_seq_len = max_seq_len
         self.draft = draft
+        self.hidden = hidden
         self.vocab_size = vocab_size
         self.num_drafts = 0  # rows verified with at least one draft
         self.num_draft_tokens = 0
@@ -58,8 +62,8 @@ class SpecDecoding:
         total = min(req.prompt_len + req.sampling.max_tokens, self.max_seq_len)
         # Every emitted token (k drafts and the bonus) must fit before the request's end.
         k = min(self.config.num_speculative_tokens, total - req.device_len - 1)
-        if self.draft is not None:
-            # The draft model reads its inputs from the token pool on the device: no host token needed.
+        if self.draft_lag is not None:
+            # The drafter reads its inputs from the token pool on the device: no host token needed.
             return (-1,) * max(k, 0)
         known = req.device_len == req.prompt_len + len(req.output_ids)
         if not known:
@@ -81,9 +85,24 @@ class SpecDecoding:
         if spec.draft_steps is None:
             pool.index_copy_(0, spec.draft_index, spec.draft_ids)
             return spec
-        assert self.draft is not None
-        run_draft_steps(self.draft, spec.draft_steps, pool, self.vocab_size)
+        if self.hidden is not None:
+            self.hidden.run_steps(spec.draft_steps, pool)
+        else:
+            assert self.draft is not None
+            run_draft_steps(self.draft, spec.draft_steps, pool, self.vocab_size)
         return gather_drafts(spec, pool)
+
+    @property
+    def draft_lag(self) -> int | None:
+        """Positions a device drafter's steps run behind the tokens they read; None: host drafts."""
+        if self.hidden is not None:
+            return 1
+        return 0 if self.draft is not None else None
+
+    def stored(self, batch: StoredBatch, output: ForwardOutput, pool: torch.Tensor) -> None:
+        """A batch's tokens are in the pool: a hidden-state drafter runs over it."""
+        if self.hidden is not None:
+            self.hidden.follow(batch, output, pool)
 
     def follow(self, batch: ForwardBatch) -> None:
         """The draft model over the target's batch, so its KV holds every token the target's does

@@ -33,9 +33,11 @@ class DraftEngine(Protocol):
 
 
 def stage_draft_steps(
-    stage: Staging, rows: Sequence[DraftedRow], table: RequestTable, page_size: int
+    stage: Staging, rows: Sequence[DraftedRow], table: RequestTable, page_size: int, lag: int = 0
 ) -> list[tuple[int, ...]]:
-    """Stage the arrays of the draft steps; `build_draft_steps` turns them into batches once sent."""
+    """Stage the arrays of the draft steps; `build_draft_steps` turns them into batches once sent.
+    `lag`: positions the draft runs behind the tokens it reads (a hidden-state drafter at position p
+    reads the token at p + 1: lag 1, see engine/spec/hidden_drafter.py)."""
     drafted = [r for r in rows if r.drafts]
     steps = max(len(r.drafts) for r in drafted)
     slots = np.array([r.req.slot for r in drafted], dtype=np.int64)
@@ -49,12 +51,12 @@ def stage_draft_steps(
         # Step j takes the rows with more than j drafts: a row's pages end at its last draft, and a
         # step past it would write KV through stale page-table entries.
         live = np.flatnonzero(counts > j)
-        at, positions, rows_pages = slots[live], lens[live] - 1 + j, pages[live]
+        at, positions, rows_pages = slots[live], lens[live] - 1 - lag + j, pages[live]
         loc = rows_pages[np.arange(len(live)), positions // page_size].astype(np.int64) * page_size
         staged.append(
             (
-                stage.add(at * max_len + positions, np.int64),
-                stage.add(at * max_len + positions + 1, np.int64),
+                stage.add(at * max_len + positions + lag, np.int64),
+                stage.add(at * max_len + positions + lag + 1, np.int64),
                 stage.add(positions, np.int64),
                 stage.add(positions + 1, np.int32),
                 stage.add(np.ones(len(live)), np.int32),

@@ -27,7 +27,7 @@ def test_a_dict_becomes_the_dataclass() -> None:
         ({"method": "eagle3"}, "speculative_config.model"),
         ({"method": "ngram", "model": "some/draft"}, "speculative_config.model"),
         ({"method": "medusa"}, "speculative_config.method"),
-        ({"method": "mtp"}, "speculative_config.method"),
+        ({"method": "mtp", "model": "some/draft"}, "speculative_config.model"),
         ({"method": "ngram", "lookahead": 2}, "lookahead"),
     ],
 )
