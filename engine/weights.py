@@ -60,6 +60,8 @@ class Checkpointed(Protocol):
 
     def loaders(self, available: Collection[str] = ()) -> dict[str, tuple[Loadable, int, bool]]: ...
 
+    def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]: ...
+
 
 @dataclass
 class LoadReport:

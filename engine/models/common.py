@@ -172,6 +172,20 @@ class DecoderBody(nn.Module):
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def gemm_linears(module: nn.Module) -> list[ColumnParallelLinear | RowParallelLinear]:
+    """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections), but not MoE
+    routers and shared-expert gates: their logits pick the experts, so they keep the model's dtype."""
+    routers = {id(m.gate) for m in module.modules() if isinstance(m, MoE)}
+    routers |= {id(m.shared_expert_gate) for m in module.modules() if isinstance(m, MoE)}
+    # Latent attention reads kv_b_proj's weight as W_UK and W_UV itself (absorbed): no GEMM of its own.
+    routers |= {id(m.kv_b_proj) for m in module.modules() if isinstance(m, LatentAttention)}
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear) and id(m) not in routers
+    ]
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM. Subclasses set `traits`; everything else comes from the config."""
 
@@ -240,17 +254,7 @@ class CausalLM(nn.Module):
             self.model.layer(i).self_attn.warm_up_store(pool)
 
     def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]:
-        """Every column- and row-parallel layer (the q/k/v, o, gate/up and down projections), but not MoE
-        routers and shared-expert gates: their logits pick the experts, so they keep the model's dtype."""
-        routers = {id(m.gate) for m in self.modules() if isinstance(m, MoE)}
-        routers |= {id(m.shared_expert_gate) for m in self.modules() if isinstance(m, MoE)}
-        # Latent attention reads kv_b_proj's weight as W_UK and W_UV itself (absorbed): no GEMM of its own.
-        routers |= {id(m.kv_b_proj) for m in self.modules() if isinstance(m, LatentAttention)}
-        return [
-            m
-            for m in self.modules()
-            if isinstance(m, ColumnParallelLinear | RowParallelLinear) and id(m) not in routers
-        ]
+        return gemm_linears(self)
 
     def layer_specs(self) -> list[LayerSpec]:
         return [self.model.layer(i).self_attn.spec for i in range(len(self.model.layers))]

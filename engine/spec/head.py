@@ -15,8 +15,9 @@ from torch import nn
 from tandem.engine.attention.base import LayerSpec
 from tandem.engine.config import ModelConfig
 from tandem.engine.layers.embedding import VocabParallelEmbedding
+from tandem.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tandem.engine.models.attention import Attention
-from tandem.engine.models.common import Loadable, module_loaders
+from tandem.engine.models.common import Loadable, gemm_linears, module_loaders
 from tandem.engine.models.context import ForwardContext, Traits
 from tandem.engine.models.latent_attention import LatentAttention
 
@@ -81,3 +82,6 @@ class DraftHead(nn.Module):
 
     def loaders(self, available: Collection[str] = ()) -> dict[str, tuple[Loadable, int, bool]]:
         return module_loaders(self, available)
+
+    def linear_layers(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        return gemm_linears(self)
