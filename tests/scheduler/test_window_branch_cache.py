@@ -151,3 +151,39 @@ def test_a_request_holds_its_prompt_only_where_the_pool_has_room() -> None:
     kv2 = KVManager(groups, PAGE, prefix_cache=True, chunk_size=16)
     short = Request(2, list(range(20)), spec, seed=0)
     assert kv2.admit(short, 30) and short.window_hold
+
+
+def test_the_prompt_is_the_trees_while_its_request_still_decodes() -> None:
+    """KV manager level, the scheduler's calls by hand: A's prompt (S + a, 53 tokens) prefills in chunks of
+    16 holding its window pages, its first decode row queues it, and once the last prefill batch is
+    processed the tree has it: B = S + b, admitted while A decodes, reuses S's 40 tokens. The tree's
+    window pages of A's prompt below its last window are evictable, and A's reservation got them back."""
+    groups = [GroupInfo(0, None, 64), GroupInfo(1, WINDOW, 64)]
+    kv = KVManager(groups, PAGE, prefix_cache=True, chunk_size=16)
+    spec = SamplingSpec(max_tokens=10)
+    system = list(range(3, 43))
+    a = Request(1, system + list(range(100, 113)), spec, seed=0)
+    assert kv.admit(a, 63) and a.window_hold
+    reserved = list(a.reserved)
+    for batch, start in enumerate(range(0, 53, 16)):
+        kv.evict_window(a, start, batch - 1)
+        kv.grow(a, min(start + 16, 53))
+        a.kv_len = min(start + 16, 53)
+    assert a.evicted[1] == 10 and kv.stats()["kv_pages_pending"] == 0  # kv_start moved on, pages held
+    kv.evict_window(a, 53, 3)  # the first decode row, in batch 4
+    kv.grow(a, 54)
+    a.kv_len = 54
+    kv.flush(2)
+    assert a.window_hold and kv.window_cache is not None and kv.window_cache.cached_pages(1) == 0
+    kv.flush(3)  # the prompt's last prefill batch is done
+    assert not a.window_hold and a.cached_prefix == 52
+    # 13 whole pages in both groups; window pages from (52 - 8 + 1) // 4 = 11 on are A's lock's.
+    assert [kv.window_cache.cached_pages(g) for g in (0, 1)] == [13, 13]
+    assert [kv.window_cache.evictable_pages(g) for g in (0, 1)] == [0, 11]
+    assert a.reserved[1] == reserved[1] - 14 + 11  # 14 pages allocated, 11 back
+    assert all(kv.available(g) >= 0 for g in (0, 1))
+    b = Request(2, system + list(range(200, 209)), spec, seed=0)
+    assert kv.admit(b, 59) and b.cached_prefix == b.num_cached_tokens == 40
+    assert kv.window_cache.evictable_pages(1) == 9  # B's lock pins window pages 8 and 9 too
+    assert kv.window_cache.evict(1, 100) == 9  # pressure: all but the locked windows are tombstoned
+    assert kv.window_cache.match_prefix([*system, 1], count=False).num_tokens == 40
