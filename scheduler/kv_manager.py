@@ -6,6 +6,8 @@ batch N+1 is being scheduled. So a page given up by a request (window eviction) 
 the allocator at once: it is tagged with the id of the newest launched batch and released in result
 processing, after that batch's copy-done event has fired (`flush`). A finished or aborted request is
 released the same way by the scheduler, only after the last batch that contains it has completed.
+With the window tree, a prompt goes to the tree in `flush` too, once the batch newest at its request's
+first decode row has completed (windows/prefix.py).
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ class KVManager:
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.allocators = [PageAllocator(g.num_pages) for g in groups]
-        # A model with window layers caches through the window-aware tree (window_cache.py), which
-        # keeps window KV only where a match can end; one of full attention only, the plain tree.
+        # A model with window layers caches through the window-aware tree (windows/tree.py), which can
+        # drop window KV apart from full KV, and requests use it through windows/prefix.py; one of full
+        # attention only, the plain tree.
         self.cache: RadixCache | None = None
         self.window_cache: WindowRadixCache | None = None
         self.windows: WindowPrefixCache | None = None
