@@ -6,6 +6,8 @@ batch N+1 is being scheduled. So a page given up by a request (window eviction) 
 the allocator at once: it is tagged with the id of the newest launched batch and released in result
 processing, after that batch's copy-done event has fired (`flush`). A finished or aborted request is
 released the same way by the scheduler, only after the last batch that contains it has completed.
+With the window tree, a prompt goes to the tree in `flush` too, once the batch newest at its request's
+first decode row has completed (windows/prefix.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from dataclasses import dataclass
 from tandem.scheduler.pages import PageAllocator
 from tandem.scheduler.radix_cache import RadixCache
 from tandem.scheduler.request import Request
-from tandem.scheduler.window_cache import MISSING, WindowRadixCache
+from tandem.scheduler.windows.prefix import WindowPrefixCache, kept_prompt_pages
+from tandem.scheduler.windows.tree import WindowRadixCache
+
+__all__ = ["GroupInfo", "KVManager", "admission_error", "cache_key", "kept_prompt_pages", "page_budget"]
 
 
 @dataclass(frozen=True)
@@ -54,9 +59,12 @@ def page_budget(
     total_tokens: int,
     prompt_len: int,
     keep_window: int | None = None,
+    hold: bool = False,
 ) -> int:
     """Most pages a request of `total_tokens` can hold at once in a group (pending release included).
-    `keep_window`: the prompt-end window a request keeps for the prefix cache (`kept_prompt_pages`)."""
+    `keep_window`: the prompt-end window a request keeps for the prefix cache (`kept_prompt_pages`);
+    `hold`: it also holds its whole prompt's window pages until the prefill is computed
+    (windows/prefix.py), and one or two decode steps can be scheduled before that is processed."""
     full = _ceil_div(total_tokens, page_size)
     if window is None:
         return full
@@ -65,17 +73,8 @@ def page_budget(
     step = min(chunk_size, prompt_len)
     live = _ceil_div(window - 1 + 2 * step, page_size) + 1
     kept = _ceil_div(keep_window - 1, page_size) + 1 if keep_window is not None else 0
-    return min(full, live + kept)
-
-
-def kept_prompt_pages(keep_window: int | None, page_size: int, prompt_len: int) -> range:
-    """Window pages a request keeps through decode so that the tree receives its prompt with window KV
-    at the prompt's end: those a query at the page-aligned prompt end reads through `keep_window`
-    (the tree's widest window). Empty without a window tree."""
-    if keep_window is None:
-        return range(0)
-    end = prompt_len // page_size
-    return range(max(0, end * page_size - keep_window + 1) // page_size, end)
+    held = _ceil_div(prompt_len, page_size) + 2 if hold else 0
+    return min(full, max(held, live + kept))
 
 
 def admission_error(
@@ -117,18 +116,20 @@ class KVManager:
         self.page_size = page_size
         self.chunk_size = chunk_size
         self.allocators = [PageAllocator(g.num_pages) for g in groups]
-        # A model with window layers caches through the window-aware tree (window_cache.py), which
-        # keeps window KV only where a match can end; one of full attention only, the plain tree.
+        # A model with window layers caches through the window-aware tree (windows/tree.py), which can
+        # drop window KV apart from full KV, and requests use it through windows/prefix.py; one of full
+        # attention only, the plain tree.
         self.cache: RadixCache | None = None
         self.window_cache: WindowRadixCache | None = None
+        self.windows: WindowPrefixCache | None = None
         if prefix_cache and any(g.window is not None for g in groups):
-            self.window_cache = WindowRadixCache(page_size, self.allocators, [g.window for g in groups])
+            windows = [g.window for g in groups]
+            self.window_cache = WindowRadixCache(page_size, self.allocators, windows)
+            self.windows = WindowPrefixCache(self.window_cache, windows, page_size)
         elif prefix_cache and len(groups) == 1:
             self.cache = RadixCache(page_size, self.allocators[0])
         # Requests keep their prompt-end window for the tree (`kept_prompt_pages`); budgets count it.
-        self.keep_window = (
-            max(g.window for g in groups if g.window is not None) if self.window_cache is not None else None
-        )
+        self.keep_window = self.windows.keep_window if self.windows is not None else None
         self.pending: deque[_Pending] = deque()
         self.outstanding = [0] * len(groups)  # reserved but not yet allocated, over all requests
         self.peak_used = [0] * len(groups)  # most pages held by live requests at once, per group
@@ -143,10 +144,10 @@ class KVManager:
         return self.cache.cached_pages if self.cache is not None and group == 0 else 0
 
     # ---- admission -------------------------------------------------------------------------
-    def budget(self, group: int, total_tokens: int, prompt_len: int) -> int:
+    def budget(self, group: int, total_tokens: int, prompt_len: int, hold: bool = False) -> int:
         window = self.groups[group].window
         return page_budget(
-            window, self.page_size, self.chunk_size, total_tokens, prompt_len, self.keep_window
+            window, self.page_size, self.chunk_size, total_tokens, prompt_len, self.keep_window, hold
         )
 
     def available(self, group: int) -> int:
@@ -172,8 +173,9 @@ class KVManager:
             return 0  # every prompt position needs its logits, and a cached prefix has none (as vLLM)
         usable = (req.prompt_len - 1) // self.page_size * self.page_size
         key = cache_key(req, req.prompt_ids[:usable])
-        if self.window_cache is not None:
-            return self._match_windowed(req, self.window_cache, key, usable)
+        if self.windows is not None:
+            self.windows.match(req, key)
+            return usable
         assert self.cache is not None
         match = self.cache.match_prefix(key, count=False)
         if match.num_tokens == 0:
@@ -185,37 +187,22 @@ class KVManager:
         req.pages[0] = list(match.pages)
         return usable
 
-    def _match_windowed(self, req: Request, cache: WindowRadixCache, key: list[int], usable: int) -> int:
-        match = cache.match_prefix(key, count=False)
-        if match.num_tokens == 0:
-            return usable
-        cache.lock(match.handle)
-        req.prefix_handle = match.handle
-        req.cached_prefix = req.kv_len = match.num_tokens
-        for g, info in enumerate(self.groups):
-            # Below the first query's window the tree may hold no window KV: those table entries are
-            # never read (kv_start passes them), so any valid page id stands in for them.
-            req.pages[g] = [0 if p == MISSING else p for p in match.pages[g]]
-            if info.window is not None:
-                req.evicted[g] = max(0, match.num_tokens - info.window + 1) // self.page_size
-        return usable
-
     def admit(self, req: Request, total_tokens: int) -> bool:
-        """Reserve the request's worst case in every group, or return False to keep it queued."""
-        budgets = [self.budget(g.group_id, total_tokens, req.prompt_len) for g in self.groups]
+        """Reserve the request's worst case in every group, or return False to keep it queued. With the
+        window tree on, a request holds its prompt's window pages for the tree if the pool has room
+        for that now, and keeps only its prompt's last window otherwise (windows/prefix.py)."""
         req.pages = [[] for _ in self.groups]
         req.evicted = [0] * len(self.groups)
         queried = self.match_prefix(req)
-        # A hit's pages are the tree's. A window group's budget bounds what the request holds at once of
-        # its own, cached pages aside; a full group's counts every page.
-        full_pages = _ceil_div(total_tokens, self.page_size)
-        own = [
-            b - len(p) if g.window is None else min(b, full_pages - len(p))
-            for g, b, p in zip(self.groups, budgets, req.pages)
-        ]
-        if any(own[g] > self.available(g) for g in range(len(self.groups))):
+        for hold in (True, False) if self.windows is not None else (False,):
+            own = self._own(req, total_tokens, hold)
+            if all(own[g] <= self.available(g) for g in range(len(self.groups))):
+                break
+        else:
             self._drop_prefix(req)
             return False
+        req.window_hold = hold
+        req.num_cached_tokens = req.cached_prefix
         # Counted once per request, not on each try while it waits for pages.
         if self.cache is not None:
             self.cache.record_query(queried, req.cached_prefix)
@@ -225,6 +212,17 @@ class KVManager:
         for g, n in enumerate(own):
             self.outstanding[g] += n
         return True
+
+    def _own(self, req: Request, total_tokens: int, hold: bool) -> list[int]:
+        """Pages to reserve per group. A hit's pages are the tree's. A window group's budget bounds what
+        the request holds at once of its own, cached pages aside; a full group's counts every page."""
+        full_pages = _ceil_div(total_tokens, self.page_size)
+        return [
+            self.budget(g.group_id, total_tokens, req.prompt_len, hold) - len(p)
+            if g.window is None
+            else min(self.budget(g.group_id, total_tokens, req.prompt_len, hold), full_pages - len(p))
+            for g, p in zip(self.groups, req.pages)
+        ]
 
     def _drop_prefix(self, req: Request) -> None:
         self._unlock_prefix(req)
@@ -267,13 +265,12 @@ class KVManager:
             self.cache.evict(n - allocator.num_free)
         return allocator.alloc(n)
 
-    def _kept(self, req: Request) -> range:
-        return kept_prompt_pages(self.keep_window, self.page_size, req.prompt_len)
-
     def evict_window(self, req: Request, first_query_pos: int, newest_batch: int) -> None:
         """Give up pages whose every token is outside the window of all queries from now on, apart from
-        the prompt-end window kept for the tree (freed or cached on release)."""
-        kept = self._kept(req)
+        those kept for the tree (`WindowPrefixCache.keeps`: freed or cached later)."""
+        windows = self.windows
+        if windows is not None and first_query_pos == req.prompt_len:  # the first decode row
+            windows.prefill_done(req, newest_batch)
         for g, info in enumerate(self.groups):
             if info.window is None:
                 continue
@@ -282,7 +279,9 @@ class KVManager:
             if upto > req.evicted[g]:
                 # Pages of a prefix hit are the tree's (it frees them under its own locks): leave them.
                 lo = max(req.evicted[g], req.cached_prefix // self.page_size)
-                pages = [req.pages[g][i] for i in range(lo, upto) if i not in kept]
+                pages = [
+                    req.pages[g][i] for i in range(lo, upto) if windows is None or not windows.keeps(req, i)
+                ]
                 req.evicted[g] = upto
                 if pages:
                     self.pending.append(_Pending(newest_batch, g, pages, req))
@@ -296,8 +295,10 @@ class KVManager:
         for g in range(len(self.groups)):
             self.outstanding[g] -= req.reserved[g]
             req.reserved[g] = 0
-        if self.window_cache is not None:
-            live = self._insert_windowed(req, self.window_cache, token_ids)
+        if self.windows is not None:
+            whole = min(req.kv_len, len(token_ids)) // self.page_size
+            key = cache_key(req, token_ids[: whole * self.page_size])
+            live = self.windows.insert_finished(req, key)
         else:
             live = [pages[req.evicted[g] :] for g, pages in enumerate(req.pages)]
             if self.cache is not None:
@@ -320,27 +321,6 @@ class KVManager:
         already_pages = already // self.page_size
         return pages[mine:already_pages] + pages[whole:]
 
-    def _insert_windowed(
-        self, req: Request, cache: WindowRadixCache, token_ids: list[int]
-    ) -> list[list[int]]:
-        """Hand every whole computed page to the window tree (which frees its duplicates itself); return
-        the partial tail pages the caller must still free."""
-        whole = min(req.kv_len, len(token_ids)) // self.page_size
-        kept = self._kept(req)
-        mine = req.cached_prefix // self.page_size
-        pages = [
-            [p[i] if i >= req.evicted[g] or i in kept else MISSING for i in range(whole)]
-            for g, p in enumerate(req.pages)
-        ]
-        if whole:
-            cache.insert(cache_key(req, token_ids[: whole * self.page_size]), pages)
-        # Kept pages past what the tree took (a request ended inside its prompt) are the caller's too.
-        return [
-            [p[i] for i in kept if mine <= i < min(req.evicted[g], len(p)) and i >= whole]
-            + p[max(req.evicted[g], whole) :]
-            for g, p in enumerate(req.pages)
-        ]
-
     def flush(self, completed_batch: int) -> None:
         """Release pending pages whose readers (batches up to `completed_batch`) have all finished."""
         while self.pending and self.pending[0].after_batch <= completed_batch:
@@ -352,6 +332,15 @@ class KVManager:
                 # allocate that many again.
                 owner.reserved[item.group] += len(item.pages)
                 self.outstanding[item.group] += len(item.pages)
+        if self.windows is not None:
+            ps = self.page_size
+            for req in self.windows.ready(completed_batch):
+                key = cache_key(req, req.prompt_ids[: req.prompt_len // ps * ps])
+                back, gone = self.windows.insert_prompt(req, key)
+                for g, n in enumerate(back):
+                    self.allocators[g].free(gone[g])
+                    req.reserved[g] += n  # free or evictable now: the request may allocate them again
+                    self.outstanding[g] += n
 
     # ---- stats -------------------------------------------------------------------------------
     def _used(self, group: int) -> int:

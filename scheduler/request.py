@@ -34,7 +34,11 @@ class Request:
     evicted: list[int] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)  # pages promised but not yet allocated
     cached_prefix: int = 0  # tokens matched in the prefix cache (their pages are the tree's)
+    # The hit at admission, as reported; `cached_prefix` grows when the window tree takes the prompt.
+    num_cached_tokens: int = 0
     prefix_handle: object | None = None
+    # With the window tree: holds its prompt's window pages until the prompt goes to the tree.
+    window_hold: bool = False
     last_batch: int = -1  # id of the latest batch this request was scheduled in
     released: bool = False  # its pages have gone back to the pool or the prefix cache
     grammar: GrammarState | None = None  # its structured-output matcher, if it has a constraint

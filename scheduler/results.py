@@ -109,7 +109,7 @@ class ResultProcessor:
             if spec.logprobs > 0 and top_ids is not None and top_vals is not None:
                 top = list(zip(_at(top_ids, at)[: spec.logprobs], _at(top_vals, at)[: spec.logprobs]))
         first = len(req.output_ids) == 1
-        cached = req.cached_prefix if first else None  # the first token carries it
+        cached = req.num_cached_tokens if first else None  # the first token carries it
         prompt = prompt_top = None
         if first and spec.prompt_logprobs is not None:
             prompt = req.prompt_logprobs

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tandem.scheduler.pages import PageAllocator
-from tandem.scheduler.window_cache import MISSING, WindowRadixCache
+from tandem.scheduler.windows.tree import MISSING, WindowRadixCache
 
 PS, WINDOW = 4, 8
 FULL, WIN = 0, 1

@@ -14,7 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.scheduler.kv_manager import GroupInfo, KVManager, kept_prompt_pages
 from tandem.scheduler.pages import OutOfPages, PageAllocator
 from tandem.scheduler.runtime import RuntimeLimits
-from tandem.scheduler.window_cache import WindowRadixCache
+from tandem.scheduler.windows.tree import WindowRadixCache
 
 WINDOW = 8
 PAGE = 4

@@ -4,8 +4,10 @@ A cached path keeps full-attention KV for every token, but window KV is only wor
 later prompt can end a match: a request resuming at position `m` reads window keys in
 `[m - window + 1, m)` only. So window pages are tombstoned node by node, apart from the full pages,
 and a match is cut back to the longest whole-page prefix whose last `window - 1` tokens still have
-window KV. Requests give up their own old window pages as decode advances (the KV manager's window
-eviction), so an inserted path usually arrives with only its tail live.
+window KV. A request hands its prompt to the tree once the prefill is computed, with window KV along
+the whole prompt (`windows/prefix.py`), so a later prompt that branches anywhere inside it finds the
+window KV at the branch point; the tree tombstones the old window pages least recently used first
+when a pool runs short.
 
 Determinism (every TP rank must evict the same pages): children live in insertion-ordered dicts,
 recency is a logical tick, and heap ties are broken by a node's creation id.
@@ -15,42 +17,18 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from .pages import PageAllocator
+from tandem.scheduler.pages import PageAllocator
+from tandem.scheduler.windows.nodes import (
+    MISSING,
+    WindowMatch,
+    WindowNode,
+    first_window_page,
+    run_end,
+    usable_end,
+)
 
-__all__ = ["WindowMatch", "WindowNode", "WindowRadixCache"]
-
-MISSING = -1  # a window page the inserting request no longer holds
-
-
-@dataclass(eq=False, slots=True)
-class WindowNode:
-    """One edge of the tree. ``pages[g]`` holds group g's pages for ``key`` (``len(key) // page_size``
-    of them), except a window group's list is empty while the node is tombstoned (``live`` false).
-    ``lock_ref`` pins every page of the node; ``win_lock_ref`` counts the locks that also need its
-    window pages, which pins them against tombstoning."""
-
-    node_id: int
-    key: tuple[int, ...]
-    pages: list[list[int]]
-    live: bool
-    parent: WindowNode | None
-    children: dict[tuple[int, ...], WindowNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    win_lock_ref: int = 0
-    last_access: int = 0
-    detached: bool = False
-
-
-@dataclass(frozen=True)
-class WindowMatch:
-    """A usable cached prefix: ``pages[g]`` for every group, window groups holding ``MISSING`` where the
-    tree has no window KV (only below the match's last window). ``handle`` goes to ``lock``/``unlock``."""
-
-    num_tokens: int
-    pages: list[list[int]]
-    handle: WindowNode
+__all__ = ["MISSING", "WindowMatch", "WindowNode", "WindowRadixCache"]
 
 
 class WindowRadixCache:
@@ -107,7 +85,7 @@ class WindowRadixCache:
         tokens = tuple(token_ids)
         path = self._descend(tokens)  # (node, pages of it matched)
         live = [n.live for n, k in path for _ in range(k)]
-        end = self._usable_end(live)
+        end = usable_end(live, ps, self._window)
         self._tick += 1
         pages: list[list[int]] = [[] for _ in self._cached]
         node, pos = self._root, 0
@@ -124,6 +102,10 @@ class WindowRadixCache:
         if count:
             self.record_query(len(tokens), end * ps)
         return WindowMatch(end * ps, pages, node)
+
+    def covered(self, token_ids: Sequence[int]) -> int:
+        """How many whole pages of `token_ids` the tree holds, window KV or not."""
+        return sum(k for _, k in self._descend(tuple(token_ids)))
 
     def _descend(self, tokens: tuple[int, ...]) -> list[tuple[WindowNode, int]]:
         """The nodes along `tokens` with how many whole pages of each match (the last may be partial)."""
@@ -150,20 +132,8 @@ class WindowRadixCache:
             n = next(i for i in range(n) if child.key[i] != tokens[at + i])  # >= ps: the first page matched
         return child, n // ps
 
-    def _usable_end(self, live: list[bool]) -> int:
-        """Largest page count `e` whose window pages `[first_window_page(e), e)` are all live."""
-        dead_before = [0]
-        for ok in live:
-            dead_before.append(dead_before[-1] + (not ok))
-        for end in range(len(live), 0, -1):
-            lo = self._first_window_page(end)
-            if dead_before[end] == dead_before[lo]:
-                return end
-        return 0
-
     def _first_window_page(self, end_pages: int) -> int:
-        """First page a query at token `end_pages * page_size` reads through its window."""
-        return max(0, end_pages * self.page_size - self._window + 1) // self.page_size
+        return first_window_page(end_pages, self.page_size, self._window)
 
     # ---- insert ------------------------------------------------------------------------------
     def insert(self, token_ids: Sequence[int], pages: Sequence[Sequence[int]]) -> None:
@@ -183,14 +153,14 @@ class WindowRadixCache:
         while (step := self._next(node, tokens, pos)) is not None:
             child, k = step
             if not child.live:  # revive runs the caller holds; split where that changes
-                k = _run_end(held, pos, pos + k) - pos
+                k = run_end(held, pos, pos + k) - pos
             if k * ps < len(child.key):
                 child = self._split(child, k * ps)
             self._merge(child, pages, pos, held[pos], dropped)
             child.last_access = self._tick
             node, pos = child, pos + k
         while pos < total:
-            stop = _run_end(held, pos, total)
+            stop = run_end(held, pos, total)
             own = [list(p[pos:stop]) if held[pos] or g in self._full else [] for g, p in enumerate(pages)]
             for g in self._windowed:
                 dropped[g].extend(p for p in pages[g][pos:stop] if not own[g] and p != MISSING)
@@ -408,11 +378,3 @@ class WindowRadixCache:
             out.append(n)
             stack.extend(reversed(n.children.values()))
         return out
-
-
-def _run_end(held: list[bool], start: int, stop: int) -> int:
-    """End of the run of equal `held` values from `start`, at most `stop`."""
-    end = start + 1
-    while end < stop and held[end] == held[start]:
-        end += 1
-    return end
