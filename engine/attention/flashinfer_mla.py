@@ -206,8 +206,12 @@ class FlashInferMLABackend:
         pool: KVPool,
         out: torch.Tensor | None = None,
         stored: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, L + R] absorbed; k [T, 1, L + R] the new latents -> [T, H * L]."""
+        """q [T, H, L + R] absorbed; k [T, 1, L + R] the new latents -> [T, H * L]. Latent layers have
+        no sinks: the piecewise graphs pass every layer's (None here) by one signature."""
+        if sinks is not None:
+            raise ValueError("the flashinfer MLA backend has no attention sinks")
         latent = self.kernel.kv_lora_rank
         if not stored:
             pool.store(layer.layer_id, self._slots.long(), k, v)

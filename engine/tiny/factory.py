@@ -290,7 +290,12 @@ def _reinit(model: PreTrainedModel, family: str, seed: int) -> None:
     found_final_norm = False
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if name.endswith(("bias", "sinks")):  # gpt-oss's experts' biases are 2-D; its sinks per head
+        if name.endswith("sinks"):
+            # Sinks near e^2 keys' worth of mass: at every context length in the tests they move each
+            # head's output by tens of percent, so a path that drops or misapplies them cannot pass
+            # as rounding noise (small sinks fade to nothing once a row has a few dozen keys).
+            value = 2.0 + noise
+        elif name.endswith("bias"):  # gpt-oss's experts' biases are 2-D
             value = noise * _BIAS_STD
         elif param.ndim >= 2 and ("embed" in name or "lm_head" in name):
             value = noise * embed_std

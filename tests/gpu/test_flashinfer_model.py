@@ -94,8 +94,12 @@ def close(got: torch.Tensor, truth: torch.Tensor, bf16_reference: torch.Tensor, 
     noise = max(relative_error(bf16_reference, truth), 0.01)
     err = relative_error(got, truth)
     assert err <= 2 * noise, f"{what}: RMS logit error {err:.3f} of scale, bf16 reference {noise:.3f}"
-    agree = float((got.argmax(-1) == truth.argmax(-1)).float().mean())
-    assert agree >= 0.75, f"{what}: argmax agrees on only {agree:.0%} of rows"
+    # A row's argmax may differ only where the truth has a near-tie: the truth's logit at `got`'s
+    # choice within the bf16 reference's error scale of its best (a handful of rows in a batch).
+    tie = 2 * noise * float(truth.pow(2).mean().sqrt())
+    picked = truth.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    agree = float((truth.max(-1).values - picked <= tie).float().mean())
+    assert agree >= 0.75, f"{what}: argmax agrees (up to near-ties) on only {agree:.0%} of rows"
 
 
 def test_logits_agree_across_backends_and_graphs(

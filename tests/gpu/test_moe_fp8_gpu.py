@@ -249,7 +249,10 @@ def test_an_fp8_deepseek_v3_serves_with_kv_b_proj_dequantized(
         experts = [m for m in engine.model.modules() if isinstance(m, MoEExperts)]
         assert attention and all(m.kv_b_proj.weight.dtype == torch.bfloat16 for m in attention), name
         assert all(m.q_b_proj is not None and m.q_b_proj.weight.dtype == FP8 for m in attention), name
-        assert experts and all(m.w13.dtype == FP8 for m in experts), name
+        # The torch-attention run has no fused (Triton) kernels, so its MoE takes the torch path on
+        # dequantized experts; the flashinfer runs' Triton kernels read them in FP8.
+        resident = FP8 if name != "eager" else torch.bfloat16
+        assert experts and all(m.w13.dtype == resident for m in experts), name
         outs[name] = llm.generate(prompts, params, use_tqdm=False)
         llm.shutdown()
         del llm
