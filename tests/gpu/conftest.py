@@ -168,6 +168,21 @@ def assert_same_greedy() -> Callable[..., None]:
 STALE_PAGE = 0  # tables never use page 0 for live tokens; evicted entries point at it
 
 
+def replay_captured(run: Callable[[], torch.Tensor], refill: Callable[[], None]) -> torch.Tensor:
+    """`run` once eagerly (its kernels build outside the capture), captured in a CUDA graph on a side
+    stream, then replayed after `refill` wrote new inputs: the graph's output, synchronized."""
+    run()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        out = run()
+    refill()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def build_batch(
     ids: list[list[int]],
     spans: list[tuple[int, int]],

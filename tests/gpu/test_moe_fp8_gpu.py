@@ -26,7 +26,7 @@ from tandem.engine.moe.reference import reference_choice, reference_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.quant.fp8_format import FP8, quantize_blocks
 
-from .conftest import greedy_disagreements
+from .conftest import greedy_disagreements, replay_captured
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,16 +95,11 @@ def test_fp8_kernels_match_dequantize_then_matmul_in_a_cuda_graph(
         out: torch.Tensor = fused(x, logits, w13, w2, extra, gate, False, s13=s13, s2=s2, fp8_block=BLOCK)
         return out
 
-    run()  # builds the kernels outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        out = run()
-    x.copy_(torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16())
-    logits.copy_(torch.randn(tokens, E, generator=g, device=DEVICE).bfloat16())
-    graph.replay()
-    torch.cuda.synchronize()
+    def refill() -> None:
+        x.copy_(torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16())
+        logits.copy_(torch.randn(tokens, E, generator=g, device=DEVICE).bfloat16())
+
+    out = replay_captured(run, refill)
     weights, ids = reference_choice(logits.cpu(), K, renormalize=True)
     want = reference_experts(x, weights, ids, dense13, dense2, expert_start=shard.expert_start)
     if extra is not None and gate is not None:

@@ -20,6 +20,8 @@ from tandem.engine.moe.reference import reference_choice, reference_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
 from tandem.engine.quant.mxfp4 import dequantize
 
+from .conftest import replay_captured
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -70,16 +72,11 @@ def test_mxfp4_kernels_match_dequantize_then_matmul_in_a_cuda_graph(
         out: torch.Tensor = fused(x, logits, w13, w2, None, None, False, b13, b2, s13, s2)
         return out
 
-    run()  # builds the kernels outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        out = run()
-    x.copy_(torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16())
-    logits.copy_(torch.randn(tokens, experts, generator=g, device=DEVICE).bfloat16())
-    graph.replay()
-    torch.cuda.synchronize()
+    def refill() -> None:
+        x.copy_(torch.randn(tokens, H, generator=g, device=DEVICE).bfloat16())
+        logits.copy_(torch.randn(tokens, experts, generator=g, device=DEVICE).bfloat16())
+
+    out = replay_captured(run, refill)
     dense13 = dequantize(w13.view(local, 2 * inter, H // 32, 16), s13).bfloat16()  # exact in bf16
     dense2 = dequantize(w2.view(local, H, inter // 32, 16), s2).bfloat16()
     weights, ids = reference_choice(logits.cpu(), 4, renormalize=False, scoring="topk_softmax")
