@@ -12,10 +12,13 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.engine import engine as engine_module
 from tandem.engine.config import ModelConfig
+from tandem.engine.distributed import TPGroup
 from tandem.engine.kv_pool import KVGroupSpec, plan_groups
 from tandem.scheduler.kv_manager import GroupInfo, KVManager
-from tandem.scheduler.messages import SamplingSpec
+from tandem.scheduler.messages import AddRequest, SamplingSpec, SchedulerMsg, TokenOutput
 from tandem.scheduler.request import Request
+from tandem.scheduler.runtime import RankRuntime, RuntimeOptions
+from tandem.scheduler.sampling_params import to_spec
 from tandem.scheduler.windows.tree import WindowRadixCache
 
 from .test_window_prefix_cache import assert_hf_greedy, random_tokens
@@ -187,3 +190,41 @@ def test_the_prompt_is_the_trees_while_its_request_still_decodes() -> None:
     assert kv.window_cache.evictable_pages(1) == 9  # B's lock pins window pages 8 and 9 too
     assert kv.window_cache.evict(1, 100) == 9  # pressure: all but the locked windows are tombstoned
     assert kv.window_cache.match_prefix([*system, 1], count=False).num_tokens == 40
+
+
+def test_a_prompt_hits_while_its_request_still_decodes(model_dir: Path) -> None:
+    """B = S + b arrives while A = S + a is still decoding: A's prompt went into the tree once its
+    prefill was processed, so B reuses S up to its last whole page then, and both answers are HF's."""
+    outputs: list[TokenOutput] = []
+    runtime = RankRuntime(model_dir, RuntimeOptions.of(device="cpu", page_size=PAGE, chunk_size=16),
+                          TPGroup(), outputs.extend)  # fmt: skip
+    vocab = runtime.limits().vocab_size
+    system = random_tokens(40, 7, vocab)
+    prompts = [system + random_tokens(13, 8, vocab), system + random_tokens(9, 9, vocab)]
+    spec = to_spec(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    inbox: list[SchedulerMsg] = [AddRequest(0, prompts[0], spec)]
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    cached: dict[int, int] = {}
+    finished: set[int] = set()
+
+    def step() -> None:
+        runtime.step(lambda blocking: [inbox.pop() for _ in range(len(inbox))])
+        for out in outputs:
+            if out.token_id is not None:
+                tokens[out.rid].append(out.token_id)
+            if out.cached_tokens is not None:
+                cached[out.rid] = out.cached_tokens
+            if out.finish_reason is not None:
+                finished.add(out.rid)
+        outputs.clear()
+
+    while len(tokens[0]) < 6:
+        step()
+    inbox.append(AddRequest(1, prompts[1], spec))
+    while 1 not in cached:
+        step()
+    assert 0 not in finished  # A was still decoding when B was admitted
+    while len(finished) < 2:
+        step()
+    assert cached == {0: 0, 1: 40}
+    assert_hf_greedy(model_dir, prompts, [tokens[0], tokens[1]])
