@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ from tandem.scheduler.spec.hidden_drafts import HiddenDrafts
 from tandem.scheduler.structured.grammar import GrammarCache, hf_tokenizer_info
 
 __all__ = ["RankRuntime", "RuntimeLimits", "RuntimeOptions"]
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,13 @@ class RankRuntime:
             head_dir = None if spec.model is None else resolve_model_dir(spec.model, weights=weights)
             drafter = load_hidden_drafter(spec.method, self.engine, slots, head_dir)
             self.engine.capture = drafter.head.capture
+            if self.engine.decode_graphs is not None or self.engine.piecewise is not None:
+                # Said at start-up: the speed a user expects from CUDA graphs is not there with these.
+                logger.warning(
+                    "speculative_config.method %r: the target runs without CUDA graphs in this build "
+                    "(the graphs keep none of the hidden states the draft head reads)",
+                    spec.method,
+                )
             drafts = HiddenDrafts(drafter, max_seq_len)
             return SpecDecoding(spec, max_seq_len, vocab_size=vocab, hidden=drafts)
         if spec.method != "draft_model":
