@@ -55,9 +55,7 @@ class DeviceFacts:
             flashinfer=flashinfer,
             triton=importlib.util.find_spec("triton") is not None,
             tinygemm=flashinfer and _importable("flashinfer.gemm.routergemm"),
-            fp8_block_gemm=flashinfer
-            and props.major == 9
-            and _importable("flashinfer.gemm", "fp8_blockscale_gemm_sm90"),
+            fp8_block_gemm=flashinfer and props.major == 9 and fp8_block_gemm_buildable(),
         )
 
 
@@ -163,6 +161,22 @@ def _importable(name: str, attribute: str | None = None) -> bool:
     except Exception:  # an incomplete install fails with anything, not only ImportError
         return False
     return attribute is None or hasattr(module, attribute)
+
+
+def fp8_block_gemm_buildable() -> bool:
+    """Whether flashinfer's SM90 block-scaled FP8 GEMM imports and is built or can be built. An install
+    stripped of that module's CUDA sources (seen on a device bundle) imports it fine and then fails at
+    the first FP8 layer's JIT build; there, FP8 layers take torch's scaled_mm instead."""
+    if not _importable("flashinfer.gemm", "fp8_blockscale_gemm_sm90"):
+        return False
+    try:
+        from flashinfer.jit.gemm.fp8_blockscale import gen_fp8_blockscale_gemm_sm90_module
+
+        spec = gen_fp8_blockscale_gemm_sm90_module()
+        sources = [Path(source) for source in spec.sources]
+        return bool(spec.is_compiled) or all(source.exists() for source in sources)
+    except Exception:  # another flashinfer's internals: leave it to the first use, as before
+        return True
 
 
 def _fp8_gemm(quantization: str | None, facts: DeviceFacts) -> str | None:

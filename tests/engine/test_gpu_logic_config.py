@@ -108,3 +108,34 @@ def test_latent_attention_takes_flashinfer_where_its_mla_kernels_fit(
     assert resolve_engine_config(real, facts=facts).attention_backend == "flashinfer"
     assert resolve_engine_config(tiny_model_dir("deepseek_v3"), facts=facts).attention_backend == "torch"
     py_compile.compile(str(ROOT / "engine/attention/flashinfer_mla.py"), doraise=True)
+
+
+@pytest.mark.parametrize(("compiled", "sources_exist", "expected"), [
+    (False, True, True), (False, False, False), (True, False, True),
+])  # fmt: skip
+def test_the_fp8_block_gemm_counts_only_where_it_can_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool, sources_exist: bool, expected: bool
+) -> None:
+    """flashinfer stands in at the edge (it is not installed on CPU): an install that imports the block
+    GEMM but lacks its CUDA sources, and has not built it, takes scaled_mm instead of failing later."""
+    import types
+
+    source = tmp_path / "fp8_blockscale_gemm.cu"
+    if sources_exist:
+        source.write_text("")
+    spec = types.SimpleNamespace(is_compiled=compiled, sources=[source])
+    gemm = types.ModuleType("flashinfer.gemm")
+    gemm.fp8_blockscale_gemm_sm90 = lambda *args: None  # type: ignore[attr-defined]
+    jit = types.ModuleType("flashinfer.jit.gemm.fp8_blockscale")
+    jit.gen_fp8_blockscale_gemm_sm90_module = lambda: spec  # type: ignore[attr-defined]
+    for name, module in {
+        "flashinfer": types.ModuleType("flashinfer"),
+        "flashinfer.gemm": gemm,
+        "flashinfer.jit": types.ModuleType("flashinfer.jit"),
+        "flashinfer.jit.gemm": types.ModuleType("flashinfer.jit.gemm"),
+        "flashinfer.jit.gemm.fp8_blockscale": jit,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    from tandem.engine.engine_config import fp8_block_gemm_buildable
+
+    assert fp8_block_gemm_buildable() is expected
