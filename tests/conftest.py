@@ -3,8 +3,11 @@ and the soak's request-count option."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,22 @@ from typing import Any
 import pytest
 
 from tandem.engine.tiny import make_tiny_model
+
+# Enabled before pytest's own faulthandler plugin configures, so that the plugin restores it at
+# unconfigure: a crash while the interpreter exits (after the summary) then prints every thread's stack
+# instead of a bare "Segmentation fault".
+faulthandler.enable(all_threads=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave nothing running into interpreter exit: shut down a Ray driver a test left connected, and
+    name the threads still alive, so that a crash at exit can be tied to what was still running."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        print(f"\nthreads alive at the end of the session: {', '.join(sorted(alive))}", file=sys.stderr)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
