@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers import GptOssConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
 
@@ -23,24 +23,17 @@ from tandem.engine.layers.rotary import cos_sin_scale, inverse_frequencies
 from tandem.engine.moe.activation import gated
 from tandem.engine.moe.routing import select_experts
 
+from .moe_ranks import MAX_NEW
+from .test_moe_models import hf_greedy
+
 PROMPT_LENS = [3, 70, 9, 33]
 CHUNK = 16  # the 70-token prompt prefills in five chunks
-MAX_NEW = 16
 WINDOW = 16
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return [
-            hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
 
 
 @pytest.fixture(scope="module")
