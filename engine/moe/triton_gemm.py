@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem.engine.moe.triton_mxfp4 import mxfp4_values
+from tandem.engine.moe.triton_mxfp4 import mxfp4_tile
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_row_blocks"])
@@ -89,7 +89,7 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    # MXFP4: each weight row's first byte and first scale (the packed tile is indexed by k itself).
+    # MXFP4: each weight row's first byte and first scale.
     w_rows = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
     # FP8: each column's first block scale; the up rows' blocks follow the gate's ceil(N / SB_N).
@@ -102,26 +102,33 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
         w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(a_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0)
         if MXFP4:
-            kk = k0 + ks[:, None]
-            w = mxfp4_values(w_ptr, scales_ptr, w_rows, s_rows, kk, w_mask).to(a.dtype)
+            # The weights as byte tiles [BK / 2, BN], in two halves of k (even, odd): one tl.dot for each
+            # half, with the matching half of a's columns, so the tile is never interleaved.
+            a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+            left = tl.multiple_of(K - k0, 32)
+            w_even, w_odd = mxfp4_tile(w_ptr, scales_ptr, w_rows, s_rows, col_mask[None, :], k0, left, BK, 0)
+            acc = tl.dot(a_even, w_even.to(a.dtype), acc)
+            acc = tl.dot(a_odd, w_odd.to(a.dtype), acc)
+            if GATED:
+                up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
+                up_even, up_odd = mxfp4_tile(w_ptr, scales_ptr, up_rows, up_scales, col_mask[None, :], k0,
+                                             left, BK, 0)  # fmt: skip
+                acc_up = tl.dot(a_even, up_even.to(a.dtype), acc_up)
+                acc_up = tl.dot(a_odd, up_odd.to(a.dtype), acc_up)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if FP8:
-            scale = tl.load(scales_ptr + s_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
-            acc += tl.dot(a, w.to(a.dtype)) * scale
-        else:
-            acc = tl.dot(a, w, acc)
-        if GATED:
-            if MXFP4:
-                up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
-                up = mxfp4_values(w_ptr, scales_ptr, up_rows, up_scales, kk, w_mask).to(a.dtype)
-            else:
-                up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8:
-                scale = tl.load(scales_ptr + up_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
-                acc_up += tl.dot(a, up.to(a.dtype)) * scale
+                scale = tl.load(scales_ptr + s_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+                acc += tl.dot(a, w.to(a.dtype)) * scale
             else:
-                acc_up = tl.dot(a, up, acc_up)
+                acc = tl.dot(a, w, acc)
+            if GATED:
+                up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+                if FP8:
+                    scale = tl.load(scales_ptr + up_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+                    acc_up += tl.dot(a, up.to(a.dtype)) * scale
+                else:
+                    acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BK
         w_ptrs += BK
     if HAS_BIAS:
