@@ -45,15 +45,15 @@ def mxfp4_unpack(packed, scales, K_AXIS: tl.constexpr):  # type: ignore[no-untyp
     odd = e2m1_float(((byte & 0x80) << 8) | ((byte & 0x70) << 5))
     # 2^(scale - 127) built as float32 bits, once a block, times the 2^14 that e2m1_float leaves out.
     factor = (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+    # The shapes written out in the calls: a tuple assigned to a variable would hold tensors, not
+    # constexprs, when compiled.
     if K_AXIS == 1:
-        shape = (packed.shape[0], scales.shape[1], 16)
-        even = tl.reshape(tl.reshape(even, shape) * factor[:, :, None], packed.shape)
-        odd = tl.reshape(tl.reshape(odd, shape) * factor[:, :, None], packed.shape)
+        even = tl.reshape(even, (packed.shape[0], scales.shape[1], 16)) * factor[:, :, None]
+        odd = tl.reshape(odd, (packed.shape[0], scales.shape[1], 16)) * factor[:, :, None]
     else:
-        shape = (scales.shape[0], 16, packed.shape[1])
-        even = tl.reshape(tl.reshape(even, shape) * factor[:, None, :], packed.shape)
-        odd = tl.reshape(tl.reshape(odd, shape) * factor[:, None, :], packed.shape)
-    return even, odd
+        even = tl.reshape(even, (scales.shape[0], 16, packed.shape[1])) * factor[:, None, :]
+        odd = tl.reshape(odd, (scales.shape[0], 16, packed.shape[1])) * factor[:, None, :]
+    return tl.reshape(even, packed.shape), tl.reshape(odd, packed.shape)
 
 
 @triton.jit
