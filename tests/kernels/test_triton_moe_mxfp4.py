@@ -16,6 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 CASES: list[dict[str, Any]] = [
     # tokens, rank, ranks, expert parallel, gpt-oss's options, hidden, expert intermediate
     {"T": t, "rank": r, "size": n, "ep": ep, "gptoss": gptoss, "H": h, "I": i}
@@ -168,3 +171,17 @@ def test_a_whole_mxfp4_gpt_oss_on_the_kernels_gives_hf_greedy_tokens(
     write_mxfp4(tiny_model_dir("gpt_oss"), tmp_path / "dense", tmp_path / "mxfp4")
     out = triton_interpreter(MODEL_SCRIPT, [str(tmp_path / "mxfp4"), str(tmp_path / "dense")])
     assert out == {"packed": ["torch.uint8"] * 4, "same": [True, True, True]}
+
+
+def test_mxfp4_weights_must_hold_the_layers_reduction() -> None:
+    """A launch's packed rows are checked against the layer's K (the kernels read whole 32-value blocks of
+    exactly that many values a row), and the blocks against their scales."""
+    pytest.importorskip("triton")
+    from tandem.engine.moe.fused import weight_options
+
+    w, s = torch.zeros(2, 8, 48, dtype=torch.uint8), torch.zeros(2, 8, 3, dtype=torch.uint8)
+    assert weight_options(w, s, reduction=96)["MXFP4"]
+    with pytest.raises(ValueError, match="rows of 96 values, the layer's are 160"):
+        weight_options(w, s, reduction=160)
+    with pytest.raises(ValueError, match="MXFP4 experts: blocks"):
+        weight_options(w, s[..., :2], reduction=96)
