@@ -65,10 +65,10 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one.
     MXFP4: W is packed (uint8 [E, rows, K / 2], its byte strides stride_we, stride_wn) with e8m0 scales
     (uint8 [E, rows, K / 32], strides stride_se, stride_sn), unpacked into the activation's dtype per
-    tile (triton_mxfp4.py); BK a multiple of 32. FP8: W is float8_e4m3fn with float32 scales per SB_N x
-    SB_K block ([E, block rows, block columns], the gated weight's gate blocks then its up blocks,
-    strides stride_se, stride_sn): each K step's product times its columns' scales (triton_fp8.py); BK
-    divides SB_K."""
+    tile as its even-k and odd-k halves, one tl.dot each (triton_mxfp4.py); BK a multiple of 32. FP8:
+    W is float8_e4m3fn with float32 scales per SB_N x SB_K block ([E, block rows, block columns], the
+    gated weight's gate blocks then its up blocks, strides stride_se, stride_sn): each K step's product
+    times its columns' scales (triton_fp8.py); BK divides SB_K."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M blocks of rows share each weight tile while it is in L2.
