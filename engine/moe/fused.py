@@ -55,10 +55,13 @@ Scales = tuple[torch.Tensor | None, torch.Tensor | None]  # MXFP4 or FP8 experts
 Block = tuple[int, int] | None  # FP8 experts' scale block (rows, columns)
 
 
-def weight_options(w: torch.Tensor, scale: torch.Tensor | None, fp8_block: Block = None) -> dict[str, Any]:
+def weight_options(
+    w: torch.Tensor, scale: torch.Tensor | None, fp8_block: Block = None, reduction: int | None = None
+) -> dict[str, Any]:
     """A launch's weight-format arguments: MXFP4 with the e8m0 scales of packed uint8 `w`, FP8 with the
     float32 `fp8_block` scales of float8_e4m3fn `w`, or the dense default (`w` a placeholder for the
-    scales pointer the launch does not read)."""
+    scales pointer the launch does not read). MXFP4: `w`'s rows hold `reduction` values (the launch's
+    K), a multiple of 32, as the kernels read them (whole 32-value blocks a K step)."""
     dense = {"MXFP4": False, "FP8": False, "SB_N": 128, "SB_K": 128}
     if scale is None:
         return dense | {"scales": w, "stride_e": 0, "stride_n": 0}
@@ -70,8 +73,12 @@ def weight_options(w: torch.Tensor, scale: torch.Tensor | None, fp8_block: Block
                              f"{list(scale.shape)}, block {fp8_block}")  # fmt: skip
         assert fp8_block is not None
         return dense | strides | {"FP8": True, "SB_N": fp8_block[0], "SB_K": fp8_block[1]}
-    if w.dtype != torch.uint8 or scale.dtype != torch.uint8 or w.shape[-1] * 2 != scale.shape[-1] * 32:
+    k = w.shape[-1] * 2
+    if w.dtype != torch.uint8 or scale.dtype != torch.uint8 or k != scale.shape[-1] * 32:
         raise ValueError(f"MXFP4 experts: blocks {w.dtype} {list(w.shape)} and scales {list(scale.shape)}")
+    if reduction is not None and reduction != k:
+        raise ValueError(f"MXFP4 experts: blocks {list(w.shape)} hold rows of {k} values, the layer's are "
+                         f"{reduction} (a multiple of 32)")  # fmt: skip
     return dense | strides | {"MXFP4": True}
 
 
@@ -170,9 +177,9 @@ class FusedMoE:
                    K_PAD=self.k_pad, RENORM=s.renormalize, TOPK_SOFTMAX=self.topk_softmax, num_warps=1,
                    **pdl_launch(pdl))  # fmt: skip
         o = self._options(w13, biases, up=True)
-        f = weight_options(w13, scales[0], fp8_block)
-        # FP8: a reduction step holds whole scale blocks.
-        up_k, up_n = max(reduction_block(b.up_bk, hidden), f["FP8"] * f["SB_K"]), b.up_bn
+        f = weight_options(w13, scales[0], fp8_block, hidden)
+        # FP8 and MXFP4: a reduction step holds whole scale blocks.
+        up_k, up_n = max(reduction_block(b.up_bk, hidden), f["FP8"] * f["SB_K"], f["MXFP4"] * 32), b.up_bn
         up: Any = up_kernel[(tokens * k, triton.cdiv(inter, up_n))]
         up(x, logits, ids, w13, act, x.stride(0), logits.stride(0), w13.stride(0), *route,
            HIDDEN=hidden, INTER=inter, BN=up_n, BK=up_k, ROUTED=b.routed, num_warps=b.up_warps,
@@ -181,10 +188,11 @@ class FusedMoE:
            s13_ptr=f["scales"], stride_se=f["stride_e"], MXFP4=f["MXFP4"], FP8=f["FP8"], SB_N=f["SB_N"],
            SB_K=f["SB_K"], **pdl_launch(pdl))  # fmt: skip
         d = self._options(w2, biases, up=False)
-        f = weight_options(w2, scales[1], fp8_block)
+        f = weight_options(w2, scales[1], fp8_block, inter)
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         has_shared = shared is not None and shared_gate is not None
-        down_k, down_n = max(reduction_block(b.down_bk, inter), f["FP8"] * f["SB_K"]), b.down_bn
+        down_k = max(reduction_block(b.down_bk, inter), f["FP8"] * f["SB_K"], f["MXFP4"] * 32)
+        down_n = b.down_bn
         down: Any = down_kernel[(tokens, triton.cdiv(hidden, down_n))]
         down(
             act,
@@ -291,10 +299,10 @@ class FusedMoE:
         ranks' experts are left unwritten)."""
         inter, k, hidden = self.shard.inter_size, self.spec.top_k, self.hidden
         act = torch.empty(routing.num_pairs, inter, dtype=x.dtype, device=x.device)
-        up = self._options(w13, biases, up=True) | weight_options(w13, scales[0], fp8_block)
+        up = self._options(w13, biases, up=True) | weight_options(w13, scales[0], fp8_block, hidden)
         self._gemm(x, w13, act, routing, routing.up, n=inter, k_dim=hidden, row_div=k, gated=True, options=up)
         pairs = torch.empty(routing.num_pairs, hidden, dtype=x.dtype, device=x.device)
-        down = self._options(w2, biases, up=False) | weight_options(w2, scales[1], fp8_block)
+        down = self._options(w2, biases, up=False) | weight_options(w2, scales[1], fp8_block, inter)
         self._gemm(act, w2, pairs, routing, routing.down, n=hidden, k_dim=inter, row_div=1, gated=False,
                    options=down)  # fmt: skip
         return pairs
@@ -317,7 +325,9 @@ class FusedMoE:
         gemm: Any = grouped_gemm_kernel[grid]
         o = options
         # FP8: a K step within one scale block (both powers of two), so it has one scale a column.
+        # MXFP4: whole 32-value blocks, and each half of a step (its even and odd k) a tl.dot of K >= 16.
         bk = min(blocks.bk, o["SB_K"]) if o.get("FP8") else blocks.bk
+        bk = max(bk, 32) if o.get("MXFP4") else bk
         gemm(a, w, out, routing.sorted_pairs, routing.block_experts, routing.total, routing.weights,
              routing.num_pairs, routing.max_row_blocks, n, k_dim, a.stride(0), w.stride(0), w.stride(1),
              out.stride(0), A_ROW_DIV=row_div, GATED=gated, WEIGHTED=not gated, BM=blocks.bm, BN=blocks.bn,

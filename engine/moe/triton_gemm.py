@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tandem.engine.moe.triton_mxfp4 import mxfp4_values
+from tandem.engine.moe.triton_mxfp4 import mxfp4_tile
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_row_blocks"])
@@ -65,10 +65,10 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     [E_local, N]) added to the products first; CLAMPED: gpt-oss's clamped SwiGLU for the gated one.
     MXFP4: W is packed (uint8 [E, rows, K / 2], its byte strides stride_we, stride_wn) with e8m0 scales
     (uint8 [E, rows, K / 32], strides stride_se, stride_sn), unpacked into the activation's dtype per
-    tile (triton_mxfp4.py); BK a multiple of 32. FP8: W is float8_e4m3fn with float32 scales per SB_N x
-    SB_K block ([E, block rows, block columns], the gated weight's gate blocks then its up blocks,
-    strides stride_se, stride_sn): each K step's product times its columns' scales (triton_fp8.py); BK
-    divides SB_K."""
+    tile as its even-k and odd-k halves, one tl.dot each (triton_mxfp4.py); BK a multiple of 32. FP8:
+    W is float8_e4m3fn with float32 scales per SB_N x SB_K block ([E, block rows, block columns], the
+    gated weight's gate blocks then its up blocks, strides stride_se, stride_sn): each K step's product
+    times its columns' scales (triton_fp8.py); BK divides SB_K."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BN)
     # Grouped order: GROUP_M blocks of rows share each weight tile while it is in L2.
@@ -89,7 +89,7 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
     ks = tl.arange(0, BK)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    # MXFP4: each weight row's first byte and first scale (the packed tile is indexed by k itself).
+    # MXFP4: each weight row's first byte and first scale.
     w_rows = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
     # FP8: each column's first block scale; the up rows' blocks follow the gate's ceil(N / SB_N).
@@ -102,26 +102,33 @@ def grouped_gemm_kernel(  # type: ignore[no-untyped-def]  # pointers and constex
         w_mask = k_mask[:, None] & col_mask[None, :]
         a = tl.load(a_ptrs, mask=live[:, None] & k_mask[None, :], other=0.0)
         if MXFP4:
-            kk = k0 + ks[:, None]
-            w = mxfp4_values(w_ptr, scales_ptr, w_rows, s_rows, kk, w_mask).to(a.dtype)
+            # The weights as byte tiles [BK / 2, BN], in two halves of k (even, odd): one tl.dot for each
+            # half, with the matching half of a's columns, so the tile is never interleaved.
+            a_even, a_odd = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+            left = tl.multiple_of(K - k0, 32)
+            w_even, w_odd = mxfp4_tile(w_ptr, scales_ptr, w_rows, s_rows, col_mask[None, :], k0, left, BK, 0)
+            acc = tl.dot(a_even, w_even.to(a.dtype), acc)
+            acc = tl.dot(a_odd, w_odd.to(a.dtype), acc)
+            if GATED:
+                up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
+                up_even, up_odd = mxfp4_tile(w_ptr, scales_ptr, up_rows, up_scales, col_mask[None, :], k0,
+                                             left, BK, 0)  # fmt: skip
+                acc_up = tl.dot(a_even, up_even.to(a.dtype), acc_up)
+                acc_up = tl.dot(a_odd, up_odd.to(a.dtype), acc_up)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if FP8:
-            scale = tl.load(scales_ptr + s_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
-            acc += tl.dot(a, w.to(a.dtype)) * scale
-        else:
-            acc = tl.dot(a, w, acc)
-        if GATED:
-            if MXFP4:
-                up_rows, up_scales = w_rows + N * stride_wn, s_rows + N * stride_sn
-                up = mxfp4_values(w_ptr, scales_ptr, up_rows, up_scales, kk, w_mask).to(a.dtype)
-            else:
-                up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8:
-                scale = tl.load(scales_ptr + up_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
-                acc_up += tl.dot(a, up.to(a.dtype)) * scale
+                scale = tl.load(scales_ptr + s_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+                acc += tl.dot(a, w.to(a.dtype)) * scale
             else:
-                acc_up = tl.dot(a, up, acc_up)
+                acc = tl.dot(a, w, acc)
+            if GATED:
+                up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+                if FP8:
+                    scale = tl.load(scales_ptr + up_blocks + k0 // SB_K, mask=col_mask[None, :], other=0.0)
+                    acc_up += tl.dot(a, up.to(a.dtype)) * scale
+                else:
+                    acc_up = tl.dot(a, up, acc_up)
         a_ptrs += BK
         w_ptrs += BK
     if HAS_BIAS:

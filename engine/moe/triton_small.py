@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tandem.engine.moe.triton_fp8 import fp8_block_dot
-from tandem.engine.moe.triton_mxfp4 import mxfp4_values
+from tandem.engine.moe.triton_mxfp4 import mxfp4_tile
 from tandem.engine.moe.triton_route import topk_rows
 
 
@@ -139,15 +139,20 @@ def up_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
                                       s_cols, BN, BK, SB_K)  # fmt: skip
             acc_up += fp8_block_dot(w13_ptr, s13_ptr, up_elements, up_blocks, k0, x, m, col_mask[:, None],
                                     s_cols, BN, BK, SB_K)  # fmt: skip
+        elif MXFP4:
+            # The weights as byte tiles, in two halves of k (even, odd), which meet x's two halves.
+            x_even, x_odd = tl.split(tl.reshape(x, (BK // 2, 2)))
+            up_bytes = gate_bytes + INTER * (HIDDEN // 2)
+            up_scales = gate_scales + INTER * (HIDDEN // 32)
+            gate_even, gate_odd = mxfp4_tile(w13_ptr, s13_ptr, gate_bytes, gate_scales, col_mask[:, None], k0,
+                                             HIDDEN - k0, BK, 1)  # fmt: skip
+            up_even, up_odd = mxfp4_tile(w13_ptr, s13_ptr, up_bytes, up_scales, col_mask[:, None], k0,
+                                         HIDDEN - k0, BK, 1)  # fmt: skip
+            acc_gate += tl.sum(gate_even * x_even[None, :] + gate_odd * x_odd[None, :], axis=1)
+            acc_up += tl.sum(up_even * x_even[None, :] + up_odd * x_odd[None, :], axis=1)
         else:
-            if MXFP4:
-                up_bytes = gate_bytes + INTER * (HIDDEN // 2)
-                up_scales = gate_scales + INTER * (HIDDEN // 32)
-                gate = mxfp4_values(w13_ptr, s13_ptr, gate_bytes, gate_scales, ks[None, :], m)
-                up = mxfp4_values(w13_ptr, s13_ptr, up_bytes, up_scales, ks[None, :], m)
-            else:
-                gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
-                up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            gate = tl.load(gate_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            up = tl.load(gate_rows + INTER * HIDDEN + ks[None, :], mask=m, other=0.0).to(tl.float32)
             acc_gate += tl.sum(gate * x[None, :], axis=1)
             acc_up += tl.sum(up * x[None, :], axis=1)
     if HAS_BIAS:
@@ -250,11 +255,13 @@ def down_kernel(  # type: ignore[no-untyped-def]  # pointers and constexprs
             if FP8:
                 part += fp8_block_dot(w2_ptr, s2_ptr, elements, blocks, k0, a, m, col_mask[:, None], s_cols,
                                       BN, BK, SB_K)  # fmt: skip
+            elif MXFP4:
+                a_even, a_odd = tl.split(tl.reshape(a, (BK // 2, 2)))
+                w_even, w_odd = mxfp4_tile(w2_ptr, s2_ptr, row_bytes, row_scales, col_mask[:, None], k0,
+                                           length - k0, BK, 1)  # fmt: skip
+                part += tl.sum(w_even * a_even[None, :] + w_odd * a_odd[None, :], axis=1)
             else:
-                if MXFP4:
-                    w = mxfp4_values(w2_ptr, s2_ptr, row_bytes, row_scales, ks[None, :], m)
-                else:
-                    w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
+                w = tl.load(base + ks[None, :], mask=m, other=0.0).to(tl.float32)
                 part += tl.sum(w * a[None, :], axis=1)
         if HAS_BIAS:
             # Another rank's expert reads local expert 0's row (a valid address) and adds none of it.

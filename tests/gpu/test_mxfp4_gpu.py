@@ -2,7 +2,8 @@
 matmul at gpt-oss-20b's and gpt-oss-120b's layer shapes (32 or 128 experts, top 4, hidden and
 intermediate 2880), the one- and two-token GEMVs and the grouped GEMMs, each captured in a CUDA graph and
 replayed on fresh inputs; and gpt-oss-120b's whole shape (36 layers) loading with `load_format="dummy"`
-on one GPU, its experts packed, its weight bytes reported and room left for the KV cache."""
+on one GPU, its experts packed, its weight bytes reported and room left for the KV cache; and
+benchmarks/kernels/moe_mxfp4.py's GPU run."""
 
 from __future__ import annotations
 
@@ -131,3 +132,22 @@ def test_gpt_oss_120b_shape_fits_one_gpu_with_packed_experts(
         assert len(out[0].token_ids) == 8
     finally:
         llm.shutdown()
+
+
+def test_the_mxfp4_kernel_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/kernels/moe_mxfp4.py at gpt-oss-20b's expert shape, one and eight tokens, two layers a
+    graph: MXFP4 and the same experts in bf16 each match the float32 reference (the one-token path with
+    PDL, as decode graphs launch it), and each is timed against its floor."""
+    from tandem.benchmarks.kernels.moe_mxfp4 import main
+
+    record = json.loads(
+        main(["--tokens", "1", "8", "--layers", "2", "--out", str(tmp_path / "m.json")]).read_text()
+    )
+    rows = record["rows"]
+    assert [(r["tokens"], r["format"], r["pdl"]) for r in rows] == [
+        (1, "mxfp4", torch.cuda.get_device_capability() >= (9, 0)),
+        (1, "dense", torch.cuda.get_device_capability() >= (9, 0)),
+        (8, "mxfp4", False),
+        (8, "dense", False),
+    ]
+    assert all(r["rel_rms"] < 1e-2 and r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
