@@ -132,3 +132,18 @@ def test_a_row_whose_request_ended_before_it_was_processed_counts_no_drafts(targ
     ] == [ref[0][:8]]
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
     llm.shutdown()
+
+
+def test_a_draft_with_a_shorter_context_is_refused_unless_max_model_len_fits_it(  # type: ignore[no-untyped-def]
+    target, tiny_model_dir
+) -> None:
+    """The draft runs at every position the target does: past its own `max_position_embeddings` its
+    rotary table (CUDA) has no row, so start-up names the field and the way out."""
+    model_dir, prompts, ref = target
+    short = tiny_model_dir("qwen3", max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"speculative_config\.model .*max_position_embeddings \(64\)"):
+        LLM(str(model_dir), device="cpu", speculative_config=_spec(short))
+    llm = LLM(str(model_dir), device="cpu", max_model_len=64, speculative_config=_spec(short))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    llm.shutdown()
