@@ -184,6 +184,13 @@ class RankRuntime:
             problems.append(
                 f"its vocabulary ({draft.model_config.vocab_size}) exceeds the target's ({vocab})"
             )
+        # The draft runs at every position the target does; past its own length its rotary table (the
+        # fused CUDA kernels') has no row to read.
+        if draft.model_config.max_position_embeddings < max_seq_len:
+            problems.append(
+                f"its max_position_embeddings ({draft.model_config.max_position_embeddings}) is below "
+                f"the target's context length ({max_seq_len}); set max_model_len to at most the draft's"
+            )
         if problems:
             raise ValueError(f"speculative_config.model {spec.model!r}: {'; '.join(problems)}")
         return SpecDecoding(spec, max_seq_len, draft=draft, vocab_size=draft.model_config.vocab_size)

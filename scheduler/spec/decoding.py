@@ -110,9 +110,17 @@ class SpecDecoding:
         if self.draft is not None:
             self.draft.step_logits(replace(batch, prompt_logprobs=None, lora_slots_cpu=None))
 
-    def verified(self, rows: Sequence[DraftedRow], spec: SpecPrepared, output: ForwardOutput) -> None:
+    def verified(
+        self,
+        rows: Sequence[DraftedRow],
+        spec: SpecPrepared,
+        output: ForwardOutput,
+        dropped: Sequence[bool] = (),
+    ) -> None:
         """Bring each drafted row's lengths to what it emitted (rejected drafts' KV is overwritten by the
-        next row, which starts there), and count the acceptances."""
+        next row, which starts there), and count the acceptances. `dropped[i]`: row i's request had
+        ended before the batch was processed (its tokens were thrown away): lengths only, no counts, as
+        vLLM counts the drafts of running requests only."""
         assert output.accepted_host is not None, "a batch with drafts returns its accept counts"
         accepted: list[int] = output.accepted_host.tolist()
         for i, row in enumerate(rows):
@@ -123,6 +131,8 @@ class SpecDecoding:
             req = row.req
             req.device_len += emitted - 1
             req.kv_len = req.device_len - 1
+            if dropped and dropped[i]:
+                continue
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += emitted - 1

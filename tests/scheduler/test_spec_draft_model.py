@@ -111,3 +111,39 @@ def test_grammar_rows_share_batches_with_drafted_rows(target, overlap: bool) -> 
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
     spec.shutdown()
     plain.shutdown()
+
+
+def test_a_row_whose_request_ended_before_it_was_processed_counts_no_drafts(target) -> None:  # type: ignore[no-untyped-def]
+    """In the overlap loop a draft model drafts without waiting for the host, so a request whose first
+    token stops it already has a drafted row in flight; that row's tokens are dropped, and its drafts
+    stay out of the counters (vLLM counts the drafts of running requests only)."""
+    model_dir, prompts, ref = target
+    llm = LLM(str(model_dir), device="cpu", overlap=True, speculative_config=_spec(model_dir))
+    params = [SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[r[0]]) for r in ref]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r[:1] for r in ref]
+    stats = llm.stats()
+    assert stats["kv_pages_used"] == 0
+    assert stats["spec_decode_num_drafts"] == stats["spec_decode_num_draft_tokens"] == 0
+    # A request that runs on counts as before, in the same engine.
+    assert [
+        o.token_ids
+        for o in llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    ] == [ref[0][:8]]
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    llm.shutdown()
+
+
+def test_a_draft_with_a_shorter_context_is_refused_unless_max_model_len_fits_it(  # type: ignore[no-untyped-def]
+    target, tiny_model_dir
+) -> None:
+    """The draft runs at every position the target does: past its own `max_position_embeddings` its
+    rotary table (CUDA) has no row, so start-up names the field and the way out."""
+    model_dir, prompts, ref = target
+    short = tiny_model_dir("qwen3", max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"speculative_config\.model .*max_position_embeddings \(64\)"):
+        LLM(str(model_dir), device="cpu", speculative_config=_spec(short))
+    llm = LLM(str(model_dir), device="cpu", max_model_len=64, speculative_config=_spec(short))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    llm.shutdown()
