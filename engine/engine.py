@@ -32,6 +32,7 @@ from tandem.engine.models import model_class
 from tandem.engine.models.common import CausalLM
 from tandem.engine.models.context import ForwardContext
 from tandem.engine.piecewise_graph import PiecewiseGraphRunner
+from tandem.engine.pool_share import kv_pages
 from tandem.engine.quant.fp8_format import Fp8Checkpoint, layer_kv_scales
 from tandem.engine.quant.fp8_linear import quantize_linears
 from tandem.engine.quant.mxfp4 import Mxfp4Checkpoint
@@ -209,15 +210,9 @@ class Engine:
             return self.config.num_pages
         cfg = self.config
         free, total = torch.cuda.mem_get_info(cfg.device)
-        budget = free - (1.0 - cfg.mem_fraction) * total
         elem = torch.empty((), dtype=self.kv_dtype).element_size()  # FP8: twice the pages
-        page_bytes = self.model.kv_bytes_per_token(elem) * cfg.page_size
-        if budget < page_bytes * 64:
-            raise RuntimeError(
-                f"not enough GPU memory for the KV cache after loading weights: {budget / 2**30:.2f} GiB "
-                f"left at mem_fraction={cfg.mem_fraction}"
-            )
-        return int(budget // page_bytes) - 1  # one dummy page per group (KVPool)
+        token_bytes = self.model.kv_bytes_per_token(elem)
+        return kv_pages(free, total, cfg.mem_fraction, cfg.page_size, token_bytes, elem, cfg.pool_share)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

@@ -14,6 +14,7 @@ import torch
 
 from tandem.engine.config import ModelConfig
 from tandem.engine.options import EngineOptions
+from tandem.engine.pool_share import PoolShare
 from tandem.engine.quant.fp8_format import Fp8Checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +108,9 @@ class EngineConfig:
     expert_parallel: bool = False  # MoE layers hold whole experts per rank (EngineOptions)
     load_format: str = "auto"  # "auto": the checkpoint; "dummy": random weights drawn on the device
     lora: LoraConfig | None = None  # None: LoRA off
+    # Room another engine on this device takes from the pool's budget when num_pages is None (a draft
+    # model's weights and KV pages); set by the runtime that builds both, never by a user.
+    pool_share: PoolShare | None = None
 
     def switches(self) -> dict[str, object]:
         """The engine's ablation switches as plain values, for benchmark result files."""

@@ -18,6 +18,7 @@ from tandem.engine.distributed import TPGroup
 from tandem.engine.engine import Engine
 from tandem.engine.engine_config import resolve_engine_config
 from tandem.engine.hub import resolve_model_dir
+from tandem.engine.pool_share import PoolShare
 from tandem.engine.spec.hidden_drafter import load_hidden_drafter
 from tandem.engine.streams import StreamSet
 from tandem.scheduler.config import SchedulerConfig
@@ -91,6 +92,16 @@ class RankRuntime:
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         config = resolve_engine_config(model_dir, options.engine)
+        spec = options.speculative_config
+        if config.num_pages is None and spec is not None and spec.method == "draft_model":
+            # The target sizes its pool from free memory before the draft loads: it leaves the draft's
+            # weights and its pool (the target's page count) out of the budget first.
+            assert spec.model is not None
+            dummy = options.engine.load_format == "dummy"
+            share = PoolShare.of_model(
+                resolve_model_dir(spec.model, weights=not dummy), tp.size, config.dtype, dummy
+            )
+            config = dataclasses.replace(config, pool_share=share)
         self.streams = StreamSet(config.device)
         self.engine = Engine(config, tp, self.streams, progress)
         mc = self.engine.model_config
@@ -119,9 +130,9 @@ class RankRuntime:
         if self.engine.lora is not None and config.lora is not None:
             cached = options.max_cpu_loras or 2 * config.lora.max_loras
             lora = AdapterSlots(self.engine.lora, config.lora.max_loras, cached)
-        spec = None
-        if options.speculative_config is not None:
-            spec = self._speculation(options, tp, sched_config.max_seq_len, sched_config.max_running)
+        drafting = None
+        if spec is not None:
+            drafting = self._speculation(options, tp, sched_config.max_seq_len, sched_config.max_running)
         self.scheduler = Scheduler(
             sched_config,
             self.engine,
@@ -131,7 +142,7 @@ class RankRuntime:
             emit,
             grammars=grammars,
             lora=lora,
-            spec=spec,
+            spec=drafting,
         )
         self.overlap = options.overlap
         self._last: InFlight | None = None
