@@ -228,3 +228,35 @@ def test_a_prompt_hits_while_its_request_still_decodes(model_dir: Path) -> None:
         step()
     assert cached == {0: 0, 1: 40}
     assert_hf_greedy(model_dir, prompts, [tokens[0], tokens[1]])
+
+
+@pytest.mark.parametrize(
+    ("family", "window", "page"), [("gemma2", 6, 4), ("mistral", 5, 2), ("gpt_oss", 3, 4)]
+)
+def test_windows_that_are_not_a_multiple_of_the_page_size(
+    tiny_model_dir, family: str, window: int, page: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A 23-token system prompt with three user messages, then each conversation's next turn, under
+    overlap with the in-flight page guard on: windows of 6, 5 and 3 over pages of 4, 2 and 4 (a window
+    that ends inside a page, and one shorter than a page), chunks of 5. The same tokens as without the
+    cache and as HF, with real hits."""
+    model_dir: Path = tiny_model_dir(family, sliding_window=window)
+    sp = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    runs = []
+    for prefix_cache in (True, False):
+        llm = LLM(str(model_dir), device="cpu", page_size=page, chunk_size=5, prefix_cache=prefix_cache,
+                  guard_inflight_pages=True)  # fmt: skip
+        system = random_tokens(23, 3, llm.vocab_size)
+        prompts = [system + random_tokens(3 + i, 10 + i, llm.vocab_size) for i in range(3)]
+        first = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
+        turns = [
+            p + o.token_ids + random_tokens(2, 30 + i, llm.vocab_size)
+            for i, (p, o) in enumerate(zip(prompts, first))
+        ]
+        outs = first + llm.generate(turns, sp, use_tqdm=False)
+        runs.append((prompts + turns, [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]))
+        assert llm.stats()["kv_pages_used"] == 0
+    (prompts, warm, cached), (_, cold, cold_cached) = runs
+    assert cached[0] == 0 and all(c >= 20 for c in cached[1:]) and cold_cached == [0] * 6
+    assert warm == cold
+    assert_hf_greedy(model_dir, prompts, warm)
