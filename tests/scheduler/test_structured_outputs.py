@@ -252,10 +252,14 @@ def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
     compiled: Future[xgr.CompiledGrammar] = Future()
     compiled.set_result(compile_spec(compiler, GrammarSpec("json_schema", json.dumps(SCHEMA))))
     text = '{"name": "ab", "age": 30, "tags": ["red"'  # xgrammar's separators: ", " and ": "
-    states = [GrammarState(compiled) for _ in range(8)]
-    for n, state in enumerate(states):  # each matcher at its own place in the object
+
+    def placed(n: int) -> GrammarState:  # a matcher n places into the object
+        state = GrammarState(compiled)
         for token in tokenizer.encode(text[: 5 * n], add_special_tokens=False):
             assert state.accept(token)
+        return state
+
+    states = [placed(n) for n in range(8)]
 
     def alone(state: GrammarState) -> torch.Tensor:
         mask = xgr.allocate_token_bitmask(1, state.vocab_size)
@@ -274,7 +278,10 @@ def test_bitmask_filler_matches_each_matcher_alone(tiny_model_dir: Any) -> None:
     # its own rows' masks, and a row whose compile failed allows every token.
     broken: Future[xgr.CompiledGrammar] = Future()
     broken.set_exception(ValueError("no grammar"))
-    for batch in (states[::-1], states[2:5], states[:3] + [GrammarState(broken)] + states * 2):
+    # Every row its own matcher, as every request has: two threads filling one matcher's rows at once is
+    # no case the scheduler makes (xgrammar's matchers are not thread-safe).
+    grown = states[:3] + [GrammarState(broken)] + [placed(n % 8) for n in range(16)]
+    for batch in (states[::-1], states[2:5], grown):
         masks = filler.fill(batch)
         assert masks.shape[0] == len(batch)
         for row, state in enumerate(batch):
