@@ -261,3 +261,18 @@ def graph_us(call: Callable[[int], object], calls: int, replays: int = 15) -> fl
         times.append(start.elapsed_time(end) * 1e3 / calls)
     del graph
     return statistics.median(times)
+
+
+def call_timer(device: torch.device) -> Callable[[Callable[[int], object], int], float]:
+    """µs per call: CUDA-graph replays on the GPU (graph_us), one pass of the wall clock elsewhere (a
+    smoke run, whose times mean nothing)."""
+    if device.type == "cuda":
+        return graph_us
+
+    def wall(call: Callable[[int], object], calls: int) -> float:
+        start = time.perf_counter()
+        for i in range(calls):
+            call(i)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    return wall

@@ -25,14 +25,13 @@ import argparse
 import dataclasses
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.benchmarks.common import RESULTS, graph_us, measure_ceilings, print_table, sync, write_result
+from tandem.benchmarks.common import RESULTS, call_timer, measure_ceilings, print_table, sync, write_result
 from tandem.benchmarks.engine_steps import decode_batch, seconds_per_step
 from tandem.benchmarks.offline import add_workload_args, pages_for, smoke_workload, workload, workload_config
 from tandem.benchmarks.shapes import write_dummy_model
@@ -114,20 +113,6 @@ def expert_gemm_cost(c: ModelConfig, ids: torch.Tensor, elem: int = 2) -> dict[s
     }
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[int], object], int], float]:
-    """µs per call: CUDA-graph replays on the GPU (common.graph_us), the wall clock elsewhere."""
-    if device.type == "cuda":
-        return graph_us
-
-    def wall(call: Callable[[int], object], calls: int) -> float:
-        start = time.perf_counter()
-        for i in range(calls):
-            call(i)
-        return (time.perf_counter() - start) / calls * 1e6
-
-    return wall
-
-
 def gemm_timings(llm: LLM, ceilings: dict[str, float], batch: int, sweep: bool) -> dict[str, Any]:
     """The grouped GEMMs of layer 0 at `batch` tokens against their bandwidth bound. On CPU they run only
     under TRITON_INTERPRET=1 (the smoke run's check that this code works), and their times mean nothing."""
@@ -144,7 +129,7 @@ def gemm_timings(llm: LLM, ceilings: dict[str, float], batch: int, sweep: bool) 
         fused = FusedMoE(layer.experts.spec, layer.shard, layer.experts.hidden_size)
     if fused is None:
         return {"skipped": "the fused MoE kernels run on CUDA (or, to test this script, interpreted)"}
-    timer = _timer(device)
+    timer = call_timer(device)
     c = engine.model_config
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(batch, c.hidden_size, generator=gen, device=device).to(engine.config.dtype)
@@ -208,7 +193,7 @@ def layer_timing(llm: LLM, ceilings: dict[str, float], batch: int) -> dict[str, 
     with torch.inference_mode():
         ids = torch.topk(layer.gate(x).float(), c.moe.top_k, dim=-1).indices
         plan = engine.planner.decode(batch)
-        us = _timer(device)(lambda i: layer(x, plan), 50)
+        us = call_timer(device)(lambda i: layer(x, plan), 50)
     cost = expert_gemm_cost(c, ids)
     router_bytes = c.moe.num_experts * c.hidden_size * 2
     bound_us = (cost["bytes"] + router_bytes) / (ceilings["copy_bandwidth_GBps"] * 1e9) * 1e6

@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.benchmarks.common import graph_us, measure_ceilings, print_table, write_record
+from tandem.benchmarks.common import call_timer, measure_ceilings, print_table, write_record
 from tandem.engine.moe.fused import SMALL_MAX_TOKENS, FusedMoE
 from tandem.engine.moe.reference import reference_choice, reference_experts
 from tandem.engine.moe.spec import ExpertShard, MoESpec
@@ -112,20 +110,6 @@ class Layer:
         return fused(x, logits, *self.dense, None, None, pdl, b13, b2)
 
 
-def timer(device: torch.device) -> Callable[[Callable[[int], object], int], float]:
-    """µs per call: CUDA-graph replays on the GPU, one pass of the wall clock elsewhere (the smoke run)."""
-    if device.type == "cuda":
-        return graph_us
-
-    def wall(call: Callable[[int], object], calls: int) -> float:
-        start = time.perf_counter()
-        for i in range(calls):
-            call(i)
-        return (time.perf_counter() - start) / calls * 1e6
-
-    return wall
-
-
 def measure(
     shape: Shape,
     layers: list[Layer],
@@ -157,7 +141,7 @@ def measure(
     for fmt in FORMATS:
         got = layers[0].run(fused, fmt, xs[0], logits[0], pdl).float()
         rel_rms = float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
-        us = timer(device)(lambda i, f=fmt: layers[i].run(fused, f, xs[i], logits[i], pdl), len(layers))
+        us = call_timer(device)(lambda i, f=fmt: layers[i].run(fused, f, xs[i], logits[i], pdl), len(layers))
         moved = statistics.mean(call_bytes(shape, c[1], fmt, dtype.itemsize) for c in choices)
         floor_us = moved / (bandwidth_gbps * 1e9) * 1e6
         path = "small" if tokens <= SMALL_MAX_TOKENS else "grouped"
