@@ -242,10 +242,12 @@ class Scheduler:
         self.last_processed = batch_id
         self.page_guard.processed(batch_id)
         self.kv.flush(batch_id)
-        # Rows of requests that ended while this batch was in flight: their tokens are dropped.
-        dropped = [row.req.finish_reason is not None for row in rows]
+        drafted = self.spec is not None and done.prepared.spec is not None
+        # A drafted batch's rows of requests that ended while it was in flight: their tokens are dropped.
+        dropped = [row.req.finish_reason is not None for row in rows] if drafted else []
         self.results.process(rows, done.output, tokens, done.prepared.prompt_rows)
-        if self.spec is not None and done.prepared.spec is not None:
+        if drafted:
+            assert self.spec is not None and done.prepared.spec is not None
             self.spec.verified(rows, done.prepared.spec, done.output, dropped)
         for row in rows:
             if row.req.finish_reason is not None:
